@@ -1,0 +1,70 @@
+"""The preallocated paged K/V tensors and slot arithmetic. No policy lives here: the block pool decides ownership.
+
+Each layer keeps K and V as `[num_blocks * page_size, num_kv_heads, head_dim]`, so a token's place in the cache is one
+integer, its slot: `block * page_size + offset`. Writes are one `index_copy_` per layer and reads one gather, whatever
+the batch looks like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one layer stores per token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> KVShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+class PagedKVCache:
+    """K and V storage for every layer, allocated once and never reallocated (weight updates keep it in place)."""
+
+    def __init__(self, shape: KVShape, num_blocks: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = device
+        slots = num_blocks * page_size
+        self.keys = [torch.zeros(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+                     for _ in range(shape.num_layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store `key`/`value` (`[tokens, kv_heads, head_dim]`) at `slots`."""
+        self.keys[layer].index_copy_(0, slots, key.to(self.dtype))
+        self.values[layer].index_copy_(0, slots, value.to(self.dtype))
+
+    def copy_block(self, src: int, dst: int, num_tokens: int | None = None) -> None:
+        """Copy a block's contents (all layers) into another block: the copy-on-fork of a partial last block."""
+        n = self.page_size if num_tokens is None else num_tokens
+        s, d = src * self.page_size, dst * self.page_size
+        for cache in self.keys + self.values:
+            cache[d:d + n].copy_(cache[s:s + n])
+
+    def data_ptrs(self) -> list[int]:
+        """Storage addresses, so tests can prove a weight update left the cache where it was."""
+        return [t.data_ptr() for t in self.keys + self.values]

@@ -1,0 +1,68 @@
+"""Turns a StepPlan into tensors, runs one packed forward with the engine's attention, returns sampled-row logits."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from rollout.engine.attention import AttentionBatch, PrefillSegment, engine_attention
+from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.step import StepPlan
+
+
+class ModelRunner:
+    """Owns nothing but the forward: the model is whatever module it was given (possibly the trainer's own)."""
+
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.page_size = cache.page_size
+
+    def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
+        """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
+        dev, page = self.device, self.page_size
+        query_lens = torch.tensor(plan.query_lens, dtype=torch.long)
+        starts = torch.tensor(plan.start_positions, dtype=torch.long)
+        ends = starts + query_lens
+        offsets = torch.cumsum(query_lens, 0) - query_lens  # packed index of each entry's first token
+        row_of_token = torch.repeat_interleave(torch.arange(len(plan)), query_lens)
+        positions = torch.arange(plan.num_tokens) - offsets[row_of_token] + starts[row_of_token]
+
+        max_blocks = max(len(t) for t in plan.block_tables)
+        tables = torch.zeros(len(plan), max_blocks, dtype=torch.long)
+        for i, table in enumerate(plan.block_tables):
+            tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.long)
+        slots = tables[row_of_token, positions // page] * page + positions % page
+
+        batch = AttentionBatch(cache=self.cache, slots=slots.to(dev))
+        decode_rows = (query_lens == 1).nonzero().flatten()
+        if len(decode_rows):
+            lens = ends[decode_rows]
+            width = int(lens.max())
+            row_slots = (tables[decode_rows, :, None] * page + torch.arange(page)).flatten(1)[:, :width]
+            batch.decode_tokens = offsets[decode_rows].to(dev)
+            batch.decode_slots = row_slots.to(dev)
+            batch.decode_lens = lens.to(dev)
+        for row in (query_lens > 1).nonzero().flatten().tolist():
+            ctx = int(ends[row])
+            ctx_slots = (tables[row, :, None] * page + torch.arange(page)).flatten()[:ctx]
+            start = int(offsets[row])
+            batch.prefills.append(PrefillSegment(start, start + plan.query_lens[row], ctx_slots.to(dev)))
+
+        sample_rows = torch.tensor(plan.sample_rows, dtype=torch.long)
+        keep = (offsets[sample_rows] + query_lens[sample_rows] - 1).to(dev)
+        inputs = {
+            "input_ids": torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None],
+            "position_ids": positions.to(dev)[None],
+            "rollout_batch": batch,
+        }
+        return inputs, keep
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """fp32 logits `[len(plan.sample_rows), vocab]` at the last token of every sampling entry."""
+        inputs, keep = self.build_batch(plan)
+        with engine_attention(self.model):
+            out = self.model(**inputs, logits_to_keep=keep, use_cache=False)
+        return out.logits[0].float()

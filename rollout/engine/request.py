@@ -1,0 +1,139 @@
+"""A request's state machine (`Request`) and what callers get back (`RequestOutput`, `RequestStatus`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from rollout.sampling_params import ResolvedSampling
+
+
+class RequestStatus(IntEnum):
+    """Lifecycle of a request. Values >= FINISHED are terminal."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5
+
+
+TERMINAL = (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one sequence: what was asked, what came out, and the RL logprob contract per token.
+
+    `logprobs` are under the distribution actually sampled from (after temperature and truncation, renormalised),
+    `policy_logprobs` are fp32 log_softmax(logits / temperature) over the full vocabulary (what a trainer recomputes)
+    and `kept_logmass` is the log of the probability mass truncation kept; logprobs = policy_logprobs - kept_logmass.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_logprobs: list[float] = field(default_factory=list)
+    kept_logmass: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    error: str | None = None
+    created_time: float = 0.0
+    finished_time: float | None = None
+
+    def is_finished(self) -> bool:
+        return self.status in TERMINAL
+
+
+class Request:
+    """Engine-side state of one sequence.
+
+    The KV cache holds `num_computed` tokens of `tokens` (prompt + generated). Each step the scheduler gives a request
+    some of the `num_pending` tokens still to compute; when a step covers all of them, a new token is sampled. The same
+    rule covers prefill, chunked prefill, decode and recompute after preemption.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_ids", "tokens", "sampling", "status", "block_table", "num_computed",
+        "num_hashed_blocks", "block_hashes", "logprobs", "policy_logprobs", "kept_logmass", "weight_versions",
+        "finish_reason", "error", "arrival", "created_time", "finished_time", "streaming", "followers",
+        "kv_version", "sample_index", "num_prefix_hit_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: ResolvedSampling,
+        arrival: int = 0,
+        streaming: bool = False,
+        sample_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.tokens = list(prompt_ids)
+        self.sampling = sampling
+        self.status = RequestStatus.PENDING
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        self.block_hashes: list[int] = []  # hash chain of the full blocks of `tokens` (computed lazily)
+        self.logprobs: list[float] = []
+        self.policy_logprobs: list[float] = []
+        self.kept_logmass: list[float] = []
+        self.weight_versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrival = arrival
+        self.created_time = time.perf_counter()
+        self.finished_time: float | None = None
+        self.streaming = streaming
+        self.followers: list[Request] = []  # siblings of an n-sample group waiting to fork off this prefill
+        self.kv_version = 0  # weight version the cached KV of this request was computed under
+        self.sample_index = sample_index  # index within its n-sample group (salts seeded sampling)
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    def is_finished(self) -> bool:
+        return self.status in TERMINAL
+
+    def finish(self, status: RequestStatus, reason: str | None, error: str | None = None) -> None:
+        self.status = status
+        self.finish_reason = reason
+        self.error = error
+        self.finished_time = time.perf_counter()
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            generated_tokens=self.generated_tokens,
+            logprobs=list(self.logprobs),
+            policy_logprobs=list(self.policy_logprobs),
+            kept_logmass=list(self.kept_logmass),
+            weight_versions=list(self.weight_versions),
+            status=self.status,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            created_time=self.created_time,
+            finished_time=self.finished_time,
+        )
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={len(self.tokens)}, "
+                f"computed={self.num_computed}, blocks={len(self.block_table)})")

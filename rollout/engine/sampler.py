@@ -1,0 +1,140 @@
+"""Vectorized per-request sampling and the RL logprob contract.
+
+One pass over the `[rows, vocab]` logits applies each row's own repetition penalty, min-new-tokens guard,
+temperature, top-k, top-p and min-p (transformers' order), then samples. Randomness for a seeded row comes from a
+generator keyed by (seed, position) alone, so its tokens do not depend on the rest of the batch and repeat across runs.
+
+Per token it returns `logprobs` (under the truncated, renormalised distribution actually sampled from),
+`policy_logprobs` (fp32 log_softmax(logits / T) over the full vocabulary: what a trainer recomputes) and
+`kept_logmass` (log of the policy mass truncation kept), so logprobs = policy_logprobs - kept_logmass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.sampling_params import ResolvedSampling
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row: settings, history (for penalties) and its RNG key."""
+
+    sampling: ResolvedSampling
+    tokens: list[int]
+    num_generated: int
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float]
+    policy_logprobs: list[float]
+    kept_logmass: list[float]
+
+
+def seeded_noise_key(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, absolute position): deterministic across runs and processes."""
+    return hash((seed, position, 0x5EED)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    """Stateless except for the generator that feeds unseeded rows."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed if seed is not None else torch.seed())
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        logits = logits.float()
+        num_rows, vocab = logits.shape
+        params = [r.sampling for r in rows]
+        greedy = torch.tensor([p.greedy for p in params])
+        temps = torch.tensor([1.0 if p.greedy or p.temperature == 0 else p.temperature for p in params])[:, None]
+
+        policy = torch.log_softmax(logits / temps, dim=-1)
+        processed = self._apply_processors(logits, rows) / temps
+        keep = self._truncation_mask(processed, params)
+        if keep is not None:
+            processed = processed.masked_fill(~keep, _NEG_INF)
+        sample_lp = torch.log_softmax(processed, dim=-1)
+
+        tokens = self._draw(sample_lp, rows, greedy)
+        idx = tokens[:, None]
+        logprobs = sample_lp.gather(1, idx).squeeze(1)
+        policy_lp = policy.gather(1, idx).squeeze(1)
+        if keep is not None:
+            kept = torch.logsumexp(policy.masked_fill(~keep, _NEG_INF), dim=-1)
+        else:
+            kept = torch.zeros(num_rows)
+        # Greedy samples a point mass: logprob 0, and the kept mass is the chosen token's policy probability.
+        logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
+        kept = torch.where(greedy, policy_lp, kept)
+        return SampleResult(tokens.tolist(), logprobs.tolist(), policy_lp.tolist(), kept.tolist())
+
+    # -------------------------------------------------------------- processors
+    @staticmethod
+    def _apply_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Repetition penalty and the min-new-tokens EOS guard, only on the rows that ask for them."""
+        out = logits
+        for i, row in enumerate(rows):
+            p = row.sampling
+            banned = row.num_generated < p.min_new_tokens and (p.eos_token_ids or p.stop_token_ids)
+            if p.repetition_penalty == 1.0 and not banned:
+                continue
+            if out is logits:
+                out = logits.clone()
+            if p.repetition_penalty != 1.0:
+                ids = torch.tensor(sorted(set(row.tokens)), dtype=torch.long)
+                scores = out[i, ids]
+                out[i, ids] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            if banned:
+                out[i, sorted(p.eos_token_ids | p.stop_token_ids)] = _NEG_INF
+        return out
+
+    @staticmethod
+    def _truncation_mask(scaled: torch.Tensor, params: list[ResolvedSampling]) -> torch.Tensor | None:
+        """Tokens each row keeps after top-k, top-p (on the top-k survivors) and min-p; None if nobody truncates."""
+        if not any(p.truncates and not p.greedy for p in params):
+            return None
+        vocab = scaled.shape[1]
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params])
+        top_p = torch.tensor([p.top_p if not p.greedy else 1.0 for p in params])
+        min_p = torch.tensor([p.min_p if not p.greedy else 0.0 for p in params])
+
+        sorted_vals, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        kth = sorted_vals.gather(1, (top_k - 1)[:, None])
+        keep_sorted = sorted_vals >= kth  # ties with the k-th value are kept, as in transformers
+        probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
+        keep_sorted &= (before < top_p[:, None]) | (ranks == 0)
+        if bool((min_p > 0).any()):
+            probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
+            keep_sorted &= (probs >= min_p[:, None] * probs[:, :1]) | (ranks == 0)
+        return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+    # ------------------------------------------------------------------ drawing
+    def _draw(self, sample_lp: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor) -> torch.Tensor:
+        """Exponential race (Gumbel-max): argmax(log p - log E), E ~ Exp(1) per token, one noise row per sample."""
+        num_rows, vocab = sample_lp.shape
+        if bool(greedy.all()):
+            return torch.argmax(sample_lp, dim=-1)
+        noise = torch.ones(num_rows, vocab)
+        unseeded = [i for i, r in enumerate(rows) if r.sampling.seed is None and not r.sampling.greedy]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
+        gen = torch.Generator()
+        for i, row in enumerate(rows):
+            if row.sampling.seed is not None and not row.sampling.greedy:
+                gen.manual_seed(seeded_noise_key(row.sampling.seed, len(row.tokens)))
+                noise[i].exponential_(generator=gen)
+        drawn = torch.argmax(sample_lp - noise.log(), dim=-1)
+        if bool(greedy.any()):
+            drawn = torch.where(greedy, torch.argmax(sample_lp, dim=-1), drawn)
+        return drawn

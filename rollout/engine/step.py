@@ -1,0 +1,43 @@
+"""StepPlan: the one plain description of a step that the scheduler hands to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollout.engine.request import Request
+
+
+@dataclass
+class StepPlan:
+    """Which tokens of which requests to run this step.
+
+    Entry `i` runs `query_lens[i]` tokens of `requests[i]` starting at position `start_positions[i]`; its KV for
+    positions `[0, start + query_len)` lives in the slots of `block_tables[i]`. `sample_rows` lists the entries whose
+    pending tokens are all covered by this step: their last position yields logits and a new token.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        start = request.num_computed
+        self.requests.append(request)
+        self.token_ids.extend(request.tokens[start:start + num_tokens])
+        self.query_lens.append(num_tokens)
+        self.start_positions.append(start)
+        self.block_tables.append(request.block_table)
+        if start + num_tokens == len(request.tokens):
+            self.sample_rows.append(len(self.requests) - 1)

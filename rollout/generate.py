@@ -1,0 +1,64 @@
+"""`generate_batch`: submit every prompt, run the engine until all finish, return outputs in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.request import RequestOutput
+from rollout.sampling_params import SamplingParams, resolve_sampling
+
+
+def _per_request(sampling_params, count: int) -> list[SamplingParams | None]:
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} inputs; pass one or one per input")
+        return list(sampling_params)
+    return [sampling_params] * count
+
+
+def workload_tokens(inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams | None],
+                    generation_config: GenerationConfig | None) -> int:
+    """Upper bound of KV tokens the batch can need at once, to size the cache for the job on CPU."""
+    total = 0
+    for prompt, p in zip(inputs, params):
+        try:
+            resolved = resolve_sampling(p, generation_config)
+        except ValueError:
+            continue
+        total += (len(prompt) + resolved.max_new_tokens) * (p.n if p is not None else 1)
+    return total
+
+
+def generate_batch(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    progress_bar: bool = True,
+) -> dict[str, RequestOutput]:
+    """Generate for every prompt with continuous batching; blocks until all are done.
+
+    Returns `{request_id: RequestOutput}` in input order (ids `req_0`, `req_1`, ...; `req_i#j` for n > 1 samples).
+    A bad input fails alone: its output has status FAILED and the reason in `error`.
+    """
+    params = _per_request(sampling_params, len(inputs))
+    gen_config = generation_config or getattr(model, "generation_config", None)
+    engine = LLMEngine(model, gen_config, continuous_batching_config,
+                       tokens_hint=workload_tokens(inputs, params, gen_config))
+    order: list[str] = []
+    for i, (prompt, p) in enumerate(zip(inputs, params)):
+        order.extend(engine.add_request(prompt, request_id=f"req_{i}", sampling_params=p))
+    results: dict[str, RequestOutput] = {}
+    with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="req") as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.is_finished():
+                    results[out.request_id] = out
+                    bar.update(1)
+    return {rid: results[rid] for rid in order}
