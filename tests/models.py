@@ -1,0 +1,65 @@
+"""Tiny random causal LMs built from configs (no hub), and a greedy reference that knows where ties make it unsafe."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+)
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None)
+
+
+def _build(kind: str):
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**COMMON))
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**COMMON))
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **COMMON))
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(sliding_window=None, **COMMON))
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                          eos_token_id=None, bos_token_id=None))
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str = "qwen3", seed: int = 0, lm_head_scale: float = 8.0):
+    """A tiny fp32 model; the output head is scaled so greedy argmax margins are clear (see SPEC section 4)."""
+    torch.manual_seed(seed)
+    model = _build(kind).eval()
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        if model.config.tie_word_embeddings:
+            # Scale a separate copy so the input embeddings keep their scale.
+            head.weight = torch.nn.Parameter(head.weight.detach().clone() * lm_head_scale)
+            model.config.tie_word_embeddings = False
+        else:
+            head.weight.mul_(lm_head_scale)
+    return model
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int], max_new_tokens: int, tie_gap: float = 1e-4) -> tuple[list[int], int]:
+    """model.generate's greedy tokens and how many of them are safe to compare (before the first near-tie)."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    safe = len(tokens)
+    for i, scores in enumerate(out.scores):
+        top2 = scores[0].float().topk(2).values
+        if float(top2[0] - top2[1]) < tie_gap:
+            safe = i
+            break
+    return tokens, safe
