@@ -2,16 +2,20 @@
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine import LLMEngine, RequestOutput, RequestStatus
-from rollout.generate import generate_batch
+from rollout.generate import continuous_batching_context_manager, generate_batch, init_continuous_batching
+from rollout.manager import ContinuousBatchingManager
 from rollout.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
     "LLMEngine",
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "continuous_batching_context_manager",
     "generate_batch",
+    "init_continuous_batching",
 ]

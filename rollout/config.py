@@ -25,6 +25,7 @@ DEFAULT_MAX_REQUESTS = 1024
 # On CPU the KV cache lives in the same RAM as everything else: without a workload hint the pool is capped here so a
 # small model does not reserve gigabytes for a handful of requests.
 CPU_DEFAULT_CACHE_BYTES = 512 * 1024**2
+CPU_DEFAULT_CACHE_TOKENS = 65536
 
 
 @dataclass
@@ -97,8 +98,9 @@ class ContinuousBatchingConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         budget = _free_memory_bytes(device) * (self.max_memory_percent or 0.8)
-        if device.type == "cpu":
-            budget = min(budget, CPU_DEFAULT_CACHE_BYTES if tokens_hint is None else budget)
+        if device.type == "cpu" and tokens_hint is None:
+            budget = min(budget, CPU_DEFAULT_CACHE_BYTES,
+                         CPU_DEFAULT_CACHE_TOKENS * bytes_per_block // self.page_size)
         max_blocks = max(1, int(budget // bytes_per_block))
         if tokens_hint is not None:
             wanted = math.ceil(tokens_hint / self.page_size) + 1

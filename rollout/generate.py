@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -62,3 +63,42 @@ def generate_batch(
                     results[out.request_id] = out
                     bar.update(1)
     return {rid: results[rid] for rid in order}
+
+
+def init_continuous_batching(model: PreTrainedModel, generation_config: GenerationConfig | None = None,
+                             continuous_batching_config: ContinuousBatchingConfig | None = None):
+    """A new, not yet started ContinuousBatchingManager for `model` (call `start()`)."""
+    from rollout.manager import ContinuousBatchingManager
+
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+
+
+_PERSISTENT_ATTR = "_rollout_persistent_manager"
+
+
+@contextlib.contextmanager
+def continuous_batching_context_manager(model: PreTrainedModel, generation_config: GenerationConfig | None = None,
+                                        continuous_batching_config: ContinuousBatchingConfig | None = None,
+                                        persistent_manager: bool = False):
+    """Start a manager, yield it, stop it on exit; destroy it unless `persistent_manager`.
+
+    A persistent manager is kept on the model and reused (cache and warm-up included) by the next context that asks
+    for one; pass new configs to get a fresh manager instead.
+    """
+    manager = getattr(model, _PERSISTENT_ATTR, None) if persistent_manager else None
+    if manager is not None and (generation_config is not None or continuous_batching_config is not None):
+        manager.destroy()
+        manager = None
+    if manager is None:
+        manager = init_continuous_batching(model, generation_config, continuous_batching_config)
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop()
+        if persistent_manager:
+            setattr(model, _PERSISTENT_ATTR, manager)
+        else:
+            manager.destroy()
+            if getattr(model, _PERSISTENT_ATTR, None) is manager:
+                delattr(model, _PERSISTENT_ATTR)

@@ -116,6 +116,17 @@ class BlockPool:
         self._block_to_hash[block] = key
         return True
 
+    def unregister(self, blocks: Iterable[int]) -> None:
+        """Withdraw blocks from the prefix cache (their contents turned out invalid, e.g. a failed forward)."""
+        for block in blocks:
+            key = self._block_to_hash.pop(block, None)
+            if key is None:
+                continue
+            del self._hash_to_block[key]
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
+
     def reset_prefix_cache(self) -> int:
         """Forget every registered prefix; referenced blocks stay with their owners. Returns how many were dropped."""
         dropped = len(self._block_to_hash)

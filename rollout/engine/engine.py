@@ -179,6 +179,7 @@ class LLMEngine:
         except Exception as err:  # a forward error fails this step's requests; the engine keeps serving
             logger.exception("model forward failed; failing the %d requests of this step", len(plan))
             self.counters["forward_errors"] += 1
+            self.pool.unregister(plan.registered_blocks)
             for req in plan.requests:
                 self._detach_followers(req)
                 self.scheduler.finish(req)
@@ -212,8 +213,6 @@ class LLMEngine:
             leader = plan.requests[entry]
             if leader.followers:
                 self._fork(leader)
-        for req in plan.requests:
-            self.scheduler.register_computed_blocks(req)
         for req in members:
             reason = self._stop_reason(req)
             if reason is not None:

@@ -73,7 +73,7 @@ class Scheduler:
             num = self._reserve(request, num, plan, scheduled)
             if num == 0:
                 continue
-            plan.add(request, num)
+            self._plan_add(plan, request, num)
             scheduled.add(id(request))
             budget[0] -= num
 
@@ -143,7 +143,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
-            plan.add(request, num)
+            self._plan_add(plan, request, num)
             budget[0] -= num
 
     def _attach_prefix(self, request: Request) -> None:
@@ -188,19 +188,29 @@ class Scheduler:
             self.waiting.remove(request)
         self.release(request)
 
-    def register_computed_blocks(self, request: Request) -> None:
-        """Publish blocks that became full and computed this step in the prefix cache."""
-        full = request.num_computed // self.page_size
+    def _plan_add(self, plan: StepPlan, request: Request, num: int) -> None:
+        plan.add(request, num)
+        plan.registered_blocks.extend(self._register_full_blocks(request, request.num_computed + num))
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """Publish blocks that are full once `num_tokens` are computed.
+
+        Done at schedule time: every layer writes the whole step's K/V before attending, so a request admitted later
+        in the same step can already share blocks this step computes. If the forward fails, the engine unpublishes
+        them (`plan.registered_blocks`).
+        """
+        full = num_tokens // self.page_size
         if full <= request.num_hashed_blocks:
-            return
+            return []
         if len(request.block_hashes) < full:
             parent = request.block_hashes[-1] if request.block_hashes else None
             request.block_hashes.extend(hash_chain(request.tokens[:full * self.page_size], self.page_size,
                                                    request.kv_version, start=len(request.block_hashes),
                                                    parent=parent))
-        for b in range(request.num_hashed_blocks, full):
-            self.pool.register(request.block_table[b], request.block_hashes[b])
+        registered = [request.block_table[b] for b in range(request.num_hashed_blocks, full)
+                      if self.pool.register(request.block_table[b], request.block_hashes[b])]
         request.num_hashed_blocks = full
+        return registered
 
     def fork(self, leader: Request, follower: Request, copy_block) -> bool:
         """Give `follower` the leader's computed prompt: shared full blocks, a private copy of the partial block."""

@@ -24,6 +24,7 @@ class StepPlan:
     sample_rows: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    registered_blocks: list[int] = field(default_factory=list)  # published in the prefix cache by this step
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,345 @@
+"""ContinuousBatchingManager: a background thread that steps the engine, plus the request lifecycle around it.
+
+Concurrency model: callers never touch the engine while it steps. Submissions go to an inbox the loop drains between
+steps; cancellation and `pause()` take the engine lock, which the loop holds only during a step, so they act at the
+next step boundary. Results land in per-request slots (a dict of finished outputs and one queue per streaming
+request) guarded by one condition variable, so a caller waiting on request A is never disturbed by request B. If the
+loop thread dies, every waiter is woken and gets the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.request import RequestOutput, RequestStatus
+from rollout.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05  # how often blocked readers re-check for a dead loop
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """Ids of the sequences a request produces: itself for n == 1, `{id}#{i}` for an n-sample group."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+class ManagerError(RuntimeError):
+    """The manager cannot serve: its loop thread died, or it was destroyed."""
+
+
+class ContinuousBatchingManager:
+    """Runs continuous batching in a background thread; submit, stream, cancel and collect from any thread."""
+
+    def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None,
+                 continuous_batching_config: ContinuousBatchingConfig | None = None) -> None:
+        self.model = model
+        self.engine: LLMEngine | None = LLMEngine(model, generation_config, continuous_batching_config)
+        self._engine_lock = threading.RLock()
+        self._cv = threading.Condition()  # guards everything below and wakes the loop and readers
+        self._inbox: deque[tuple[str, list[int], SamplingParams, bool]] = deque()
+        self._finished: OrderedDict[str, RequestOutput] = OrderedDict()
+        self._streams: dict[str, queue.SimpleQueue] = {}
+        self._pending: set[str] = set()  # submitted, result not yet handed to a caller
+        self._auto_ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._stopping = False
+        self._hard_stop = False
+        self._destroyed = False
+        self._fatal: BaseException | None = None
+        self._pause_waiters = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start (or restart after `stop`) the background loop."""
+        with self._cv:
+            if self._destroyed:
+                raise ManagerError("this manager was destroyed and cannot be restarted; create a new one")
+            if self._fatal is not None:
+                raise ManagerError(f"the manager's loop died earlier: {self._fatal!r}") from self._fatal
+            if self.is_running():
+                return
+            self._accepting, self._stopping, self._hard_stop = True, False, False
+            self._thread = threading.Thread(target=self._run, name="rollout-cb-loop", daemon=True)
+            self._thread.start()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
+        """Stop accepting work; finish queued and active requests (or fail them at once with hard_stop); end the loop."""
+        with self._cv:
+            self._accepting = False
+            self._stopping = True
+            self._hard_stop = self._hard_stop or hard_stop
+            self._cv.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("manager loop still running after stop(timeout=%s)", timeout)
+        elif hard_stop and self.engine is not None:
+            self._deliver(self._fail_everything("RuntimeError: the manager was hard-stopped"))
+
+    def destroy(self) -> None:
+        """Stop if needed and free the KV cache; the manager cannot be restarted afterwards."""
+        if self._destroyed:
+            return
+        self.stop(hard_stop=False)
+        with self._cv:
+            self._destroyed = True
+        with self._engine_lock:
+            self.engine = None
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        with contextlib.suppress(Exception):
+            self.stop(hard_stop=True, timeout=1.0)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Park the loop between two steps (requests stay in flight) so weights can be changed safely."""
+        with self._cv:
+            self._pause_waiters += 1
+        try:
+            with self._engine_lock:
+                yield
+        finally:
+            with self._cv:
+                self._pause_waiters -= 1
+                self._cv.notify_all()
+
+    # -------------------------------------------------------------- submission
+    def add_request(self, input_ids: Sequence[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, sampling_params: SamplingParams | None = None,
+                    **overrides) -> str | None:
+        """Queue one prompt; returns its id (None if the manager was stopped: the request is dropped with a warning).
+
+        `overrides` are SamplingParams fields (temperature=..., top_p=..., seed=..., n=...). An n-sample request
+        yields outputs with ids `{id}#{i}` (see `sequence_ids`).
+        """
+        params = (sampling_params or SamplingParams()).with_overrides(max_new_tokens=max_new_tokens, **overrides)
+        with self._cv:
+            self._check_usable()
+            if not self._accepting:
+                logger.warning("manager is stopped; dropping request %r (call start() to accept work again)",
+                               request_id)
+                return None
+            if request_id is None:
+                request_id = f"req_{next(self._auto_ids)}"
+            ids = sequence_ids(request_id, params.n)
+            taken = [rid for rid in ids if rid in self._pending or rid in self._streams]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in use by a request that has not been "
+                                 "collected; pass a unique request_id or None")
+            for rid in ids:
+                self._pending.add(rid)
+                if streaming:
+                    self._streams[rid] = queue.SimpleQueue()
+            self._inbox.append((request_id, list(input_ids), params, streaming))
+            self._cv.notify_all()
+        return request_id
+
+    def add_requests(self, inputs: Sequence[Sequence[int]], max_new_tokens: int | None = None,
+                     streaming: bool = False, sampling_params: SamplingParams | None = None,
+                     **overrides) -> list[str]:
+        """Queue many prompts, submitted in sorted order so shared prefixes meet in the cache; ids in input order."""
+        with self._cv:
+            ids = [f"req_{next(self._auto_ids)}" for _ in inputs]
+        for i in sorted(range(len(inputs)), key=lambda i: list(inputs[i])):
+            self.add_request(inputs[i], ids[i], max_new_tokens, streaming, sampling_params, **overrides)
+        return ids
+
+    def cancel_request(self, request_id: str) -> bool:
+        """Cancel a queued or running request and free its blocks now; False if it is unknown or already done."""
+        with self._engine_lock:
+            engine = self._require_engine()
+            self._drain_inbox(engine)
+            outputs = [out for rid in self._expand(engine, request_id) if (out := engine.cancel(rid)) is not None]
+        self._deliver(outputs)
+        return bool(outputs)
+
+    @staticmethod
+    def _expand(engine: LLMEngine, request_id: str) -> list[str]:
+        if request_id in engine.requests:
+            return [request_id]
+        return [rid for rid in engine.requests if rid.rsplit("#", 1)[0] == request_id]
+
+    # ----------------------------------------------------------------- results
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
+        """The next finished output, or the one for `request_id`; waits up to `timeout` (None: forever).
+
+        Returns None on timeout. Waiting for one id never disturbs results of others.
+        """
+        with self._cv:
+            if request_id is not None and request_id not in self._pending:
+                raise KeyError(f"unknown request id {request_id!r}: never submitted, already collected, or streaming "
+                               "(read streaming requests with request_id_iter)")
+            ready = (lambda: request_id in self._finished) if request_id else (lambda: bool(self._finished))
+            if not self._wait_for(ready, timeout):
+                return None
+            out = self._finished.pop(request_id) if request_id else self._finished.popitem(last=False)[1]
+            self._pending.discard(out.request_id)
+            return out
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        """Yield outputs as they finish until every submitted non-streaming request has been collected."""
+        while True:
+            with self._cv:
+                self._wait_for(lambda: bool(self._finished) or not self._non_streaming_pending(), None)
+                if not self._finished:
+                    return
+                out = self._finished.popitem(last=False)[1]
+                self._pending.discard(out.request_id)
+            yield out
+
+    def request_id_iter(self, request_id: str) -> Iterator[RequestOutput]:
+        """Partial outputs of a streaming request as tokens arrive, ending with its final output."""
+        with self._cv:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                if request_id not in self._pending:
+                    raise KeyError(f"unknown request id {request_id!r}")
+        if stream is None:  # not streaming: one final output
+            out = self.get_result(request_id)
+            if out is not None:
+                yield out
+            return
+        while True:
+            try:
+                out = stream.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._raise_if_dead()
+                continue
+            if out.is_finished():
+                with self._cv:
+                    self._streams.pop(request_id, None)
+                    self._pending.discard(request_id)
+            yield out
+            if out.is_finished():
+                return
+
+    def stats(self) -> dict:
+        with self._engine_lock:
+            stats = self._require_engine().stats()
+        with self._cv:
+            stats.update(queued=len(self._inbox), uncollected=len(self._finished), running_loop=self.is_running())
+        return stats
+
+    # -------------------------------------------------------------------- loop
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(self._has_loop_work)
+                    if self._hard_stop:
+                        break
+                    if self._pause_waiters:
+                        self._cv.wait(_POLL_S)
+                        continue
+                with self._engine_lock:
+                    engine = self._require_engine()
+                    self._drain_inbox(engine)
+                    if not engine.has_unfinished():
+                        if self._stopping:
+                            break
+                        continue
+                    outputs = engine.step()
+                self._deliver(outputs)
+            if self._hard_stop:
+                self._deliver(self._fail_everything("RuntimeError: the manager was hard-stopped"))
+        except BaseException as err:  # the loop died: fail everyone promptly instead of letting them hang
+            logger.exception("continuous batching loop died")
+            with self._cv:
+                self._fatal = err
+                self._accepting = False
+            with contextlib.suppress(Exception):
+                self._fail_everything(f"the manager's loop died: {err!r}")  # frees blocks; waiters raise instead
+            with self._cv:
+                self._cv.notify_all()
+
+    def _has_loop_work(self) -> bool:
+        if self._hard_stop or self._stopping:
+            return True
+        if self._pause_waiters:
+            return False
+        return bool(self._inbox) or (self.engine is not None and self.engine.has_unfinished())
+
+    def _drain_inbox(self, engine: LLMEngine) -> None:
+        with self._cv:
+            items, self._inbox = list(self._inbox), deque()
+        for request_id, prompt, params, streaming in items:
+            try:
+                engine.add_request(prompt, request_id, params, streaming=streaming)
+            except ValueError as err:  # e.g. an id still live inside the engine: fail this request alone
+                self._deliver([RequestOutput(request_id=rid, prompt_ids=list(prompt), status=RequestStatus.FAILED,
+                                             finish_reason="error", error=str(err))
+                               for rid in sequence_ids(request_id, params.n)])
+
+    def _fail_everything(self, error: str) -> list[RequestOutput]:
+        with self._engine_lock:
+            outputs = []
+            with self._cv:
+                items, self._inbox = list(self._inbox), deque()
+            for request_id, prompt, params, _ in items:
+                outputs += [RequestOutput(request_id=rid, prompt_ids=list(prompt), status=RequestStatus.FAILED,
+                                          finish_reason="error", error=error)
+                            for rid in sequence_ids(request_id, params.n)]
+            if self.engine is not None:
+                outputs += self.engine.fail_all(error)
+            return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        with self._cv:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                elif out.is_finished() and out.request_id in self._pending:
+                    self._finished[out.request_id] = out
+            self._cv.notify_all()
+
+    # ----------------------------------------------------------------- helpers
+    def _non_streaming_pending(self) -> bool:
+        return any(rid not in self._streams for rid in self._pending)
+
+    def _wait_for(self, predicate, timeout: float | None) -> bool:
+        """cv.wait_for that also wakes up with an error if the loop thread is dead (caller holds the cv)."""
+        def ready():
+            return predicate() or self._fatal is not None or self._loop_gone_with_work()
+        done = self._cv.wait_for(ready, timeout)
+        if predicate():
+            return True
+        self._raise_if_dead()
+        if self._loop_gone_with_work():
+            raise ManagerError("the manager is not running (call start()); results cannot arrive")
+        return done and predicate()
+
+    def _loop_gone_with_work(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive() and not self._finished
+
+    def _raise_if_dead(self) -> None:
+        if self._fatal is not None:
+            raise ManagerError(f"the manager's loop died: {self._fatal!r}") from self._fatal
+
+    def _check_usable(self) -> None:
+        if self._destroyed:
+            raise ManagerError("this manager was destroyed; create a new one")
+        self._raise_if_dead()
+
+    def _require_engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise ManagerError("this manager was destroyed; create a new one")
+        return self.engine
