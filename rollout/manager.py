@@ -42,9 +42,10 @@ class ContinuousBatchingManager:
     """Runs continuous batching in a background thread; submit, stream, cancel and collect from any thread."""
 
     def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None,
-                 continuous_batching_config: ContinuousBatchingConfig | None = None) -> None:
+                 continuous_batching_config: ContinuousBatchingConfig | None = None, tokenizer=None) -> None:
         self.model = model
-        self.engine: LLMEngine | None = LLMEngine(model, generation_config, continuous_batching_config)
+        self.engine: LLMEngine | None = LLMEngine(model, generation_config, continuous_batching_config,
+                                                  tokenizer=tokenizer)
         self._engine_lock = threading.RLock()
         self._cv = threading.Condition()  # guards everything below and wakes the loop and readers
         self._inbox: deque[tuple[str, list[int], SamplingParams, bool]] = deque()

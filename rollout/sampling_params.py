@@ -20,6 +20,7 @@ class SamplingParams:
 
     Greedy decoding is `temperature=0` or `do_sample=False`. `top_k=0`, `top_p=1` and `min_p=0` disable truncation.
     `seed` makes the request's samples independent of the rest of the batch and repeatable across runs.
+    `stop_strings` end a sequence once its decoded text contains one (the engine needs a tokenizer for them).
     """
 
     temperature: float | None = None
@@ -31,6 +32,7 @@ class SamplingParams:
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
     ignore_eos: bool | None = None
     do_sample: bool | None = None
     eos_token_id: int | list[int] | None = None
@@ -60,6 +62,7 @@ class ResolvedSampling:
     min_new_tokens: int
     stop_token_ids: frozenset[int]
     eos_token_ids: frozenset[int]
+    stop_strings: tuple[str, ...] = ()
 
     @property
     def truncates(self) -> bool:
@@ -106,6 +109,7 @@ def resolve_sampling(
         max_new_tokens=int(_pick(p.max_new_tokens, getattr(g, "max_new_tokens", None), DEFAULT_MAX_NEW_TOKENS)),
         min_new_tokens=int(_pick(p.min_new_tokens, getattr(g, "min_new_tokens", None), 0)),
         stop_token_ids=_as_id_set(p.stop_token_ids),
+        stop_strings=tuple(p.stop_strings or ()) if not isinstance(p.stop_strings, str) else (p.stop_strings,),
         eos_token_ids=frozenset()
         if p.ignore_eos
         else _as_id_set(_pick(p.eos_token_id, getattr(g, "eos_token_id", None), model_eos)),
@@ -125,6 +129,7 @@ def _validate(r: ResolvedSampling, p: SamplingParams) -> None:
         (0 <= r.min_new_tokens <= r.max_new_tokens,
          f"min_new_tokens must be in [0, max_new_tokens={r.max_new_tokens}], got {r.min_new_tokens}"),
         (p.n >= 1, f"n must be >= 1, got {p.n}"),
+        (all(isinstance(x, str) and x for x in r.stop_strings), "stop_strings must be non-empty strings"),
         (r.seed is None or isinstance(r.seed, int), f"seed must be an int, got {r.seed!r}"),
     ]
     for ok, message in checks:

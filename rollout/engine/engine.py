@@ -37,8 +37,10 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache for any transformers causal LM, driven by `step()`."""
 
     def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None,
-                 config: ContinuousBatchingConfig | None = None, tokens_hint: int | None = None) -> None:
+                 config: ContinuousBatchingConfig | None = None, tokens_hint: int | None = None,
+                 tokenizer=None) -> None:
         self.model = model
+        self.tokenizer = tokenizer  # only needed for stop strings
         self.config = config or ContinuousBatchingConfig()
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
         text = model.config.get_text_config()
@@ -103,6 +105,8 @@ class LLMEngine:
         try:
             prompt = self._validate_prompt(prompt_ids)
             sampling = resolve_sampling(sampling_params, self.generation_config, self.model_eos)
+            if sampling.stop_strings and self.tokenizer is None:
+                raise ValueError("stop_strings need a tokenizer: pass tokenizer= to the engine/manager/generator")
         except ValueError as err:
             for rid in ids:
                 self._pending_outputs.append(RequestOutput(
@@ -236,11 +240,19 @@ class LLMEngine:
         token = req.tokens[-1]
         if req.num_generated >= p.min_new_tokens and (token in p.eos_token_ids or token in p.stop_token_ids):
             return "stop"
+        if p.stop_strings and req.num_generated >= p.min_new_tokens and self._hit_stop_string(req):
+            return "stop"
         if req.num_generated >= p.max_new_tokens:
             return "length"
         if self.max_positions is not None and len(req.tokens) >= self.max_positions:
             return "length"
         return None
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        """Decode just enough of the tail to see a stop string that ends at the newest token."""
+        window = max(len(s) for s in req.sampling.stop_strings) + 2
+        tail = self.tokenizer.decode(req.generated_tokens[-window:], skip_special_tokens=False)
+        return any(s in tail for s in req.sampling.stop_strings)
 
     def _finish(self, req: Request, status: RequestStatus, reason: str, error: str | None = None) -> RequestOutput:
         req.finish(status, reason, error)

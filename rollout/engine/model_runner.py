@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers import PreTrainedModel
 
 from rollout.engine.attention import AttentionBatch, PrefillSegment, engine_attention
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.step import StepPlan
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run without dropout even if a trainer left the (shared) module in train mode; restore every flag after."""
+    if not model.training:
+        yield
+        return
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
 
 
 class ModelRunner:
@@ -63,6 +81,6 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """fp32 logits `[len(plan.sample_rows), vocab]` at the last token of every sampling entry."""
         inputs, keep = self.build_batch(plan)
-        with engine_attention(self.model):
+        with engine_attention(self.model), eval_mode(self.model):
             out = self.model(**inputs, logits_to_keep=keep, use_cache=False)
         return out.logits[0].float()

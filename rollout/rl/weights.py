@@ -1,0 +1,92 @@
+"""Weight updates for the generation model: name mapping, validation, then an in-place copy.
+
+Trainers hand weights over in many shapes: a module, a state dict, or a stream of `(name, tensor)` pairs yielded one
+at a time (TRL gathers ZeRO-3 / FSDP shards and merges PEFT adapters before yielding). Names may carry wrapper
+prefixes and PEFT suffixes; tied weights may come once. We validate everything first (names, shapes, finiteness) into
+a staging copy, and only then copy into the live parameters, so a bad stream never leaves a half-updated model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+_PREFIXES = ("base_model.model.", "module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_SKIP = re.compile(r"(lora_|\.original_module\.|\.adapter_|prompt_encoder)")
+
+
+class WeightUpdateError(ValueError):
+    """An update was rejected; the generation model still holds its previous weights."""
+
+
+def normalize_name(name: str) -> str | None:
+    """The HF checkpoint name for a trainer-side name, or None for adapter-only tensors that must be skipped."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    name = name.replace("._fsdp_wrapped_module.", ".").replace("._checkpoint_wrapped_module.", ".")
+    if _SKIP.search(name):
+        return None
+    name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+    return name
+
+
+def iter_named_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a module, a mapping, or any iterable of pairs."""
+    if isinstance(source, nn.Module):
+        yield from source.state_dict(keep_vars=False).items()
+    elif isinstance(source, Mapping):
+        yield from source.items()
+    elif isinstance(source, Iterable):
+        for item in source:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+                raise WeightUpdateError(f"expected (name, tensor) pairs, got {type(item).__name__}")
+            yield item
+    else:
+        raise WeightUpdateError(f"cannot read weights from {type(source).__name__}; pass an nn.Module, a state "
+                                "dict or an iterable of (name, tensor) pairs")
+
+
+def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name a checkpoint may use for the model's parameters and persistent buffers (tied names included)."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        targets.setdefault(name, buf)
+    return targets
+
+
+def stage_update(model: nn.Module, source) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Validate the whole source and return (live tensor, new value) pairs ready to copy. Raises WeightUpdateError."""
+    targets = target_tensors(model)
+    staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for raw_name, tensor in iter_named_tensors(source):
+        name = normalize_name(raw_name)
+        if name is None:
+            continue
+        target = targets.get(name)
+        if target is None:
+            raise WeightUpdateError(f"unknown weight name {raw_name!r} (as {name!r}); the generation model has no "
+                                    "such parameter. Check that trainer and generator are the same architecture.")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightUpdateError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, the generation model "
+                                    f"has {tuple(target.shape)}")
+        value = tensor.detach().to(device=target.device, dtype=target.dtype, copy=True)
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise WeightUpdateError(f"non-finite values (nan/inf) in {name!r}; refusing the update")
+        staged[target.data_ptr()] = (target, value)  # tied names share storage: copy once
+    if not staged:
+        raise WeightUpdateError("the update contained no weights of the generation model")
+    return list(staged.values())
+
+
+@torch.no_grad()
+def apply_staged(staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy validated values into the live tensors in place: storage (and every pointer to it) stays the same."""
+    for target, value in staged:
+        target.data.copy_(value)
