@@ -68,7 +68,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         self.counters = dict(steps=0, prompt_tokens=0, generated_tokens=0, prefill_tokens=0, decode_tokens=0,
-                             prefix_hit_tokens=0, forward_errors=0)
+                             prefix_hit_tokens=0, forward_errors=0, peak_used_blocks=0)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, page, self.cache.nbytes / 2**20)
 
     # ------------------------------------------------------------------ weights
@@ -178,6 +178,7 @@ class LLMEngine:
         if not plan.requests:
             return outputs
         self.counters["steps"] += 1
+        self.counters["peak_used_blocks"] = max(self.counters["peak_used_blocks"], self.pool.num_used)
         try:
             logits = self.runner.run(plan)
         except Exception as err:  # a forward error fails this step's requests; the engine keeps serving
@@ -278,6 +279,10 @@ class LLMEngine:
             used_blocks=self.pool.num_used, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), weight_version=self.weight_version,
             preemptions=self.scheduler.num_preemptions, page_size=self.cache.page_size, **self.counters)
+
+    def reset_peak(self) -> None:
+        """Start a new window for `peak_used_blocks` (e.g. one rollout call)."""
+        self.counters["peak_used_blocks"] = self.pool.num_used
 
     def check_invariants(self) -> None:
         """Block pool consistency against every live block table (used by tests)."""

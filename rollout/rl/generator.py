@@ -50,14 +50,21 @@ class RolloutBatch:
     """Samples in prompt-major order: the n samples of prompt 0, then those of prompt 1, ..."""
 
     samples: list[RolloutSample]
-    n: int
+    group_sizes: list[int]
     stats: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def n(self) -> int:
+        """Samples per prompt (0 if groups differ in size)."""
+        sizes = set(self.group_sizes)
+        return sizes.pop() if len(sizes) == 1 else 0
+
     def group(self, prompt_index: int) -> list[RolloutSample]:
-        return self.samples[prompt_index * self.n:(prompt_index + 1) * self.n]
+        start = sum(self.group_sizes[:prompt_index])
+        return self.samples[start:start + self.group_sizes[prompt_index]]
 
     def to_tensors(self, pad_token_id: int = 0, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Padded tensors for a trainer: prompts left-padded, completions right-padded, with masks.
@@ -165,11 +172,15 @@ class RolloutGenerator:
             return prompt.flatten().tolist()
         return [int(t) for t in prompt]
 
-    def submit(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None,
-               ) -> list[tuple[int, list[int], list[str]]]:
-        """Queue the prompts as n-sample groups; returns (prompt index, prompt ids, sequence ids) per prompt."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+    def submit(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
+               sampling_params: SamplingParams | None = None) -> list[tuple[int, list[int], list[str]]]:
+        """Queue the prompts as n-sample groups; returns (prompt index, prompt ids, sequence ids) per prompt.
+
+        `n` is one group size for all prompts or one per prompt.
+        """
+        sizes = [n] * len(prompts) if isinstance(n, int) else list(n)
+        if len(sizes) != len(prompts) or any(k < 1 for k in sizes):
+            raise ValueError(f"n must be >= 1 (one value, or one per prompt); got {n!r} for {len(prompts)} prompts")
         params = sampling_params or SamplingParams()
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         self._calls += 1
@@ -180,17 +191,20 @@ class RolloutGenerator:
             ids = self.encode(prompt)
             seed = hash((base, j, 0x90)) & _SEED_MASK
             rid = f"rollout{self._calls}-{j}"
-            self.manager.add_request(ids, request_id=rid, sampling_params=params.with_overrides(n=n, seed=seed))
-            groups.append((j, ids, sequence_ids(rid, n)))
+            self.manager.add_request(ids, request_id=rid,
+                                     sampling_params=params.with_overrides(n=sizes[j], seed=seed))
+            groups.append((j, ids, sequence_ids(rid, sizes[j])))
         return groups
 
-    def generate(self, prompts: Sequence[Prompt], n: int = 1,
+    def generate(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
                  sampling_params: SamplingParams | None = None) -> RolloutBatch:
-        """n completions per prompt, prompt-major. Raises ValueError if any prompt was rejected."""
+        """n completions per prompt (or n[j] for prompt j), prompt-major. Raises ValueError if a prompt was rejected."""
         start = time.perf_counter()
+        self.manager.engine.reset_peak()
         before = self.manager.stats()
         samples, errors = [], []
-        for j, ids, seq_ids in self.submit(prompts, n, sampling_params):
+        groups = self.submit(prompts, n, sampling_params)
+        for j, ids, seq_ids in groups:
             for rid in seq_ids:
                 out = self.manager.get_result(rid)
                 if out.status == RequestStatus.FAILED:
@@ -208,9 +222,9 @@ class RolloutGenerator:
         stats = {key: after[key] - before[key] for key in ("prefill_tokens", "decode_tokens", "generated_tokens",
                                                           "prefix_hit_tokens", "steps", "preemptions")}
         stats.update(seconds=elapsed, tokens_per_second=stats["generated_tokens"] / max(elapsed, 1e-9),
-                     kv_cache_usage=1 - after["free_blocks"] / after["num_blocks"],
+                     kv_cache_usage=after["peak_used_blocks"] / after["num_blocks"],
                      weight_version=after["weight_version"])
-        return RolloutBatch(samples=samples, n=n, stats=stats)
+        return RolloutBatch(samples=samples, group_sizes=[len(g[2]) for g in groups], stats=stats)
 
     # ----------------------------------------------------------------- weights
     def update_weights(self, source, on_update: str = "keep") -> int:

@@ -1,0 +1,49 @@
+"""Rollout metrics for trainer logs and W&B: throughput, cache behaviour, weight sync, completion shape."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from rollout.rl.generator import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+
+def rollout_metrics(batch: RolloutBatch, sync_seconds: float | None = None, prefix: str = "rollout/") -> dict:
+    """Flat float metrics of one generation step (keys prefixed for the trainer's or W&B's namespace)."""
+    stats = batch.stats
+    lengths = [len(s.completion_ids) for s in batch.samples] or [0]
+    prompt_work = stats.get("prefill_tokens", 0) + stats.get("prefix_hit_tokens", 0)
+    reasons = Counter(s.finish_reason for s in batch.samples)
+    out = {
+        "tokens_per_second": stats.get("tokens_per_second", 0.0),
+        "generation_seconds": stats.get("seconds", 0.0),
+        "prefill_tokens": stats.get("prefill_tokens", 0),
+        "decode_tokens": stats.get("decode_tokens", 0),
+        "generated_tokens": stats.get("generated_tokens", 0),
+        "prefix_cache_hit_rate": stats.get("prefix_hit_tokens", 0) / prompt_work if prompt_work else 0.0,
+        "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+        "preemptions": stats.get("preemptions", 0),
+        "weight_version": stats.get("weight_version", 0),
+        "completion_length/mean": sum(lengths) / len(lengths),
+        "completion_length/min": min(lengths),
+        "completion_length/max": max(lengths),
+    }
+    for reason in ("stop", "length"):
+        out[f"finish_reason/{reason}"] = reasons.get(reason, 0) / max(1, len(batch.samples))
+    if sync_seconds is not None:
+        out["weight_sync_seconds"] = sync_seconds
+    return {prefix + k: float(v) for k, v in out.items()}
+
+
+def log_to_wandb(metrics: dict, step: int | None = None) -> bool:
+    """Log to the active W&B run if there is one (offline runs included); False when wandb is absent or idle."""
+    try:
+        import wandb
+    except ImportError:
+        return False
+    if wandb.run is None:
+        return False
+    wandb.log(metrics, step=step)
+    return True

@@ -1,0 +1,86 @@
+"""Weight sync for hand-written loops (`WeightSync`) and for any transformers Trainer (`WeightSyncCallback`)."""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+from transformers import TrainerCallback
+
+from rollout.rl.generator import RolloutBatch, RolloutGenerator
+from trainer_hooks.metrics import log_to_wandb, rollout_metrics
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / accelerate / torch.compile wrappers."""
+    try:
+        from accelerate.utils import extract_model_from_parallel
+
+        return extract_model_from_parallel(model)
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        while hasattr(model, "module"):
+            model = model.module
+        return model
+
+
+class WeightSync:
+    """Call after `optimizer.step()`: every `every` calls, the generator takes the model's new weights in place.
+
+    The generator's KV cache stays allocated; the weight version it returns tags every token generated afterwards.
+    """
+
+    def __init__(self, generator: RolloutGenerator, model: nn.Module, every: int = 1, on_update: str = "keep"):
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.generator = generator
+        self.model = model
+        self.every = every
+        self.on_update = on_update
+        self.calls = 0
+        self.last_seconds: float | None = None
+
+    def __call__(self) -> bool:
+        """Count one optimizer step; sync when due. Returns whether weights were synced."""
+        self.calls += 1
+        if self.calls % self.every:
+            return False
+        self.sync()
+        return True
+
+    def sync(self) -> int:
+        start = time.perf_counter()
+        version = self.generator.update_weights(unwrap(self.model), on_update=self.on_update)
+        self.last_seconds = time.perf_counter() - start
+        return version
+
+    def metrics(self, batch: RolloutBatch) -> dict:
+        return rollout_metrics(batch, sync_seconds=self.last_seconds)
+
+    def log(self, batch: RolloutBatch, step: int | None = None) -> dict:
+        """Rollout metrics of `batch`, also logged to W&B when a run is active."""
+        metrics = self.metrics(batch)
+        log_to_wandb(metrics, step=step)
+        return metrics
+
+
+class WeightSyncCallback(TrainerCallback):
+    """For any transformers Trainer: sync the generator from the trained model every `every` optimizer steps."""
+
+    def __init__(self, generator: RolloutGenerator, every: int = 1, on_update: str = "keep"):
+        self.generator = generator
+        self.every = every
+        self.on_update = on_update
+        self.last_seconds: float | None = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if model is not None and state.global_step % self.every == 0:
+            start = time.perf_counter()
+            self.generator.update_weights(unwrap(model), on_update=self.on_update)
+            self.last_seconds = time.perf_counter() - start
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self.last_seconds is not None:
+            logs["rollout/weight_sync_seconds"] = self.last_seconds
+            logs["rollout/weight_version"] = self.generator.weight_version
+        return control
