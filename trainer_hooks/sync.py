@@ -72,15 +72,22 @@ class WeightSyncCallback(TrainerCallback):
         self.on_update = on_update
         self.last_seconds: float | None = None
 
+    def _metrics(self) -> dict:
+        return {"rollout/weight_sync_seconds": self.last_seconds,
+                "rollout/weight_version": self.generator.weight_version}
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if model is not None and state.global_step % self.every == 0:
             start = time.perf_counter()
             self.generator.update_weights(unwrap(model), on_update=self.on_update)
             self.last_seconds = time.perf_counter() - start
+            log_to_wandb({**self._metrics(), "train/global_step": state.global_step})
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add the sync metrics to the trainer's log line and its log history."""
         if logs is not None and self.last_seconds is not None:
-            logs["rollout/weight_sync_seconds"] = self.last_seconds
-            logs["rollout/weight_version"] = self.generator.weight_version
+            logs.update(self._metrics())
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(self._metrics())
         return control
