@@ -84,12 +84,14 @@ class ContinuousBatchingConfig:
 
     # ------------------------------------------------------------------ sizing
     def resolve_batch_tokens(self, device: torch.device) -> int:
-        """Token budget per forward: the user's value (never below 256) or the default, capped by free memory."""
-        budget = self.max_batch_tokens or DEFAULT_BATCH_TOKENS
-        if self.max_batch_tokens is not None and budget < MIN_BATCH_TOKENS:
-            logger.info("max_batch_tokens=%d is below the %d floor; raising it.", budget, MIN_BATCH_TOKENS)
-            budget = MIN_BATCH_TOKENS
-        return budget
+        """Token budget per forward: the user's value as given, else the default capped by free memory (>= 256)."""
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        if device.type == "cuda":  # keep the activations of one step well inside free memory
+            per_token = 64 * 1024  # bytes of activations per token, a conservative bound for mid-size models
+            cap = int(_free_memory_bytes(device) * 0.05 // per_token)
+            return max(MIN_BATCH_TOKENS, min(DEFAULT_BATCH_TOKENS, cap))
+        return DEFAULT_BATCH_TOKENS
 
     def resolve_num_blocks(
         self, bytes_per_block: int, device: torch.device, tokens_hint: int | None = None

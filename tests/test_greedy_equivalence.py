@@ -58,20 +58,23 @@ def test_greedy_equals_generate(model_kind, name):
     _assert_matches(model, kind, ContinuousBatchingConfig(**CONFIGS[name]))
 
 
-def test_tiny_cache_really_preempts_and_chunks():
-    """The preemption and chunking configs above must actually exercise those paths."""
+@pytest.mark.parametrize("name, counter", [("page16-tiny-cache-preempts", "preemptions"),
+                                           ("page4-chunked", "chunked_prefills"),
+                                           ("page4-prefill-first-chunked", "chunked_prefills")])
+def test_configs_really_exercise_their_path(name, counter):
+    """The preemption and chunking configs above must actually take those paths."""
     from rollout.engine.engine import LLMEngine
 
     model = tiny_model("qwen3")
     engine = LLMEngine(model, GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False),
-                       ContinuousBatchingConfig(page_size=16, num_blocks=12, max_batch_tokens=64))
+                       ContinuousBatchingConfig(**CONFIGS[name]))
     for p in _prompts():
         engine.add_request(p)
     while engine.has_unfinished():
         engine.step()
         engine.check_invariants()
     stats = engine.stats()
-    assert stats["preemptions"] > 0
+    assert stats[counter] > 0
     assert stats["free_blocks"] == stats["num_blocks"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -98,7 +99,7 @@ class LLMEngine:
         """
         request_id = request_id if request_id is not None else self.new_request_id()
         n = sampling_params.n if sampling_params is not None else 1
-        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        ids = [request_id] if n <= 1 else [f"{request_id}#{i}" for i in range(n)]  # n < 1 fails under its own id
         for rid in ids:
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already in use; pass a unique request_id or None")
@@ -132,6 +133,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty; pass at least one token id")
         if isinstance(prompt_ids, torch.Tensor):
             prompt_ids = prompt_ids.flatten().tolist()
+        wrong = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if wrong is not None:
+            raise ValueError(f"token ids must be integers, got {wrong!r} ({type(wrong).__name__})")
         prompt = [int(t) for t in prompt_ids]
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
@@ -195,6 +199,8 @@ class LLMEngine:
         for req, num in zip(plan.requests, plan.query_lens):
             req.num_computed += num
             self.counters["decode_tokens" if num == 1 and req.num_generated else "prefill_tokens"] += num
+        if not plan.sample_rows:  # only partial prefill chunks ran: nothing to sample yet
+            return outputs
         members, logit_rows = [], []
         for row, entry in enumerate(plan.sample_rows):
             leader = plan.requests[entry]
@@ -278,7 +284,8 @@ class LLMEngine:
             num_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free, cached_blocks=self.pool.num_cached,
             used_blocks=self.pool.num_used, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), weight_version=self.weight_version,
-            preemptions=self.scheduler.num_preemptions, page_size=self.cache.page_size, **self.counters)
+            preemptions=self.scheduler.num_preemptions, chunked_prefills=self.scheduler.num_chunked_prefills,
+            page_size=self.cache.page_size, **self.counters)
 
     def reset_peak(self) -> None:
         """Start a new window for `peak_used_blocks` (e.g. one rollout call)."""

@@ -53,8 +53,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         logits = logits.float()
         num_rows, vocab = logits.shape
+        if num_rows == 0:
+            return SampleResult([], [], [], [])
         params = [r.sampling for r in rows]
-        greedy = torch.tensor([p.greedy for p in params])
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
         temps = torch.tensor([1.0 if p.greedy or p.temperature == 0 else p.temperature for p in params])[:, None]
 
         policy = torch.log_softmax(logits / temps, dim=-1)
@@ -69,7 +71,9 @@ class Sampler:
         logprobs = sample_lp.gather(1, idx).squeeze(1)
         policy_lp = policy.gather(1, idx).squeeze(1)
         if keep is not None:
+            truncating = torch.tensor([p.truncates and not p.greedy for p in params], dtype=torch.bool)
             kept = torch.logsumexp(policy.masked_fill(~keep, _NEG_INF), dim=-1)
+            kept = torch.where(truncating, kept, torch.zeros_like(kept))
         else:
             kept = torch.zeros(num_rows)
         # Greedy samples a point mass: logprob 0, and the kept mass is the chosen token's policy probability.
@@ -113,7 +117,7 @@ class Sampler:
         keep_sorted = sorted_vals >= kth  # ties with the k-th value are kept, as in transformers
         probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-        keep_sorted &= (before < top_p[:, None]) | (ranks == 0)
+        keep_sorted &= (before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1.0)
         if bool((min_p > 0).any()):
             probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
             keep_sorted &= (probs >= min_p[:, None] * probs[:, :1]) | (ranks == 0)

@@ -33,6 +33,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.weight_version = 0
         self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # prefill entries cut short by the budget or memory
 
     # ------------------------------------------------------------------ queues
     def add(self, request: Request) -> None:
@@ -189,6 +190,8 @@ class Scheduler:
         self.release(request)
 
     def _plan_add(self, plan: StepPlan, request: Request, num: int) -> None:
+        if 1 < request.num_pending and num < request.num_pending:
+            self.num_chunked_prefills += 1
         plan.add(request, num)
         plan.registered_blocks.extend(self._register_full_blocks(request, request.num_computed + num))
 

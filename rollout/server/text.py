@@ -1,0 +1,66 @@
+"""Completion text as OpenAI returns it: stop tokens and stop strings cut off, and streamed as safe deltas.
+
+The engine's token ids keep the stop token (trainers need it); the text does not, like OpenAI and vLLM. Streaming
+decodes the whole completion each time (simple, and prefix-stable for normal tokenizers) and holds back the tail
+that could still turn into a stop string or is an incomplete UTF-8 character, so the concatenated deltas equal the
+non-streamed text.
+
+For completions the text is decoded after a few prompt tokens of context and the context's text is then removed:
+tokenizers such as SentencePiece drop a word's leading space when it is decoded alone, so "The capital is" +
+"Paris" would otherwise lose the space that the model generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+_REPLACEMENT = "\ufffd"
+
+
+def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> tuple[str, bool]:
+    """`text` cut before the earliest stop string; and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class CompletionText:
+    """Turns a growing list of generated ids into text deltas for one choice."""
+
+    CONTEXT_TOKENS = 8
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = (), stop_ids: Collection[int] = (),
+                 context: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.context = list(context)[-self.CONTEXT_TOKENS:]
+        self.context_text = tokenizer.decode(self.context, skip_special_tokens=True) if self.context else ""
+        self.stop_strings = [s for s in stop_strings if s]
+        self.stop_ids = set(stop_ids)
+        self.hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.sent = ""
+
+    def full_text(self, tokens: Sequence[int], finish_reason: str | None) -> str:
+        """The final text of a completion: without the stop token that ended it, cut at the first stop string."""
+        tokens = list(tokens)
+        if finish_reason == "stop" and tokens and tokens[-1] in self.stop_ids:
+            tokens = tokens[:-1]
+        text = self._decode(tokens) if tokens else ""
+        return truncate_at_stop(text, self.stop_strings)[0]
+
+    def _decode(self, tokens: list[int]) -> str:
+        if self.context:
+            both = self.tokenizer.decode(self.context + tokens, skip_special_tokens=True)
+            if both.startswith(self.context_text):
+                return both[len(self.context_text):]
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def delta(self, tokens: Sequence[int], finished: bool, finish_reason: str | None = None) -> str:
+        """New text since the previous call; on `finished` everything left."""
+        text = self.full_text(tokens, finish_reason if finished else None)
+        if not finished:
+            text = text.rstrip(_REPLACEMENT)
+            if self.stop_strings and self.hold:
+                text = text[:max(len(self.sent), len(text) - self.hold)]
+        if not text.startswith(self.sent):  # the tokenizer re-spelled earlier text: nothing safe to add yet
+            return ""
+        out, self.sent = text[len(self.sent):], text
+        return out
