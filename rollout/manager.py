@@ -1,8 +1,9 @@
 """ContinuousBatchingManager: a background thread that steps the engine, plus the request lifecycle around it.
 
 Concurrency model: callers never touch the engine while it steps. Submissions go to an inbox the loop drains between
-steps; cancellation and `pause()` take the engine lock, which the loop holds only during a step, so they act at the
-next step boundary. Results land in per-request slots (a dict of finished outputs and one queue per streaming
+steps; cancellation and stats take the engine lock, which the loop holds only during a step, so they act at the next
+step boundary. Pausing is a counter, not a lock: `pause()` (or `pause_generation()`/`resume_generation()` from any
+thread) parks the loop between two steps, and cancel, stats and weight copies still work while it is parked. Results land in per-request slots (a dict of finished outputs and one queue per streaming
 request) guarded by one condition variable, so a caller waiting on request A is never disturbed by request B. If the
 loop thread dies, every waiter is woken and gets the error.
 """
@@ -26,7 +27,8 @@ from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.05  # how often blocked readers re-check for a dead loop
+_POLL_S = 0.5  # safety net: how often blocked stream readers re-check that the loop is alive
+_DEAD = object()  # pushed into every stream queue when the loop dies
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:
@@ -59,7 +61,8 @@ class ContinuousBatchingManager:
         self._hard_stop = False
         self._destroyed = False
         self._fatal: BaseException | None = None
-        self._pause_waiters = 0
+        self._pause_count = 0
+        self._in_step = False
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -110,15 +113,29 @@ class ContinuousBatchingManager:
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Park the loop between two steps (requests stay in flight) so weights can be changed safely."""
-        with self._cv:
-            self._pause_waiters += 1
+        self.pause_generation()
         try:
-            with self._engine_lock:
-                yield
+            yield
         finally:
-            with self._cv:
-                self._pause_waiters -= 1
-                self._cv.notify_all()
+            self.resume_generation()
+
+    def pause_generation(self) -> None:
+        """Park the loop at the next step boundary and return once it is parked. Pauses nest; any thread may resume."""
+        with self._cv:
+            self._pause_count += 1
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._in_step)
+
+    def resume_generation(self) -> None:
+        with self._cv:
+            if self._pause_count == 0:
+                raise RuntimeError("resume_generation() without a matching pause_generation()")
+            self._pause_count -= 1
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._pause_count > 0
 
     # -------------------------------------------------------------- submission
     def add_request(self, input_ids: Sequence[int], request_id: str | None = None, max_new_tokens: int | None = None,
@@ -222,6 +239,8 @@ class ContinuousBatchingManager:
             except queue.Empty:
                 self._raise_if_dead()
                 continue
+            if out is _DEAD:
+                self._raise_if_dead()
             if out.is_finished():
                 with self._cv:
                     self._streams.pop(request_id, None)
@@ -245,17 +264,20 @@ class ContinuousBatchingManager:
                     self._cv.wait_for(self._has_loop_work)
                     if self._hard_stop:
                         break
-                    if self._pause_waiters:
-                        self._cv.wait(_POLL_S)
-                        continue
-                with self._engine_lock:
-                    engine = self._require_engine()
-                    self._drain_inbox(engine)
-                    if not engine.has_unfinished():
-                        if self._stopping:
-                            break
-                        continue
-                    outputs = engine.step()
+                    self._in_step = True
+                try:
+                    with self._engine_lock:
+                        engine = self._require_engine()
+                        self._drain_inbox(engine)
+                        if not engine.has_unfinished():
+                            if self._stopping:
+                                break
+                            continue
+                        outputs = engine.step()
+                finally:
+                    with self._cv:
+                        self._in_step = False
+                        self._cv.notify_all()
                 self._deliver(outputs)
             if self._hard_stop:
                 self._deliver(self._fail_everything("RuntimeError: the manager was hard-stopped"))
@@ -267,13 +289,17 @@ class ContinuousBatchingManager:
             with contextlib.suppress(Exception):
                 self._fail_everything(f"the manager's loop died: {err!r}")  # frees blocks; waiters raise instead
             with self._cv:
+                for stream in self._streams.values():
+                    stream.put(_DEAD)
                 self._cv.notify_all()
 
     def _has_loop_work(self) -> bool:
-        if self._hard_stop or self._stopping:
+        if self._hard_stop:
             return True
-        if self._pause_waiters:
+        if self._pause_count:
             return False
+        if self._stopping:
+            return True
         return bool(self._inbox) or (self.engine is not None and self.engine.has_unfinished())
 
     def _drain_inbox(self, engine: LLMEngine) -> None:

@@ -301,3 +301,31 @@ def test_stress_many_threads_cancel_and_stream(model):
                 assert len(out.generated_tokens) == max_new
         _assert_idle_and_clean(manager)
     assert rng is not None
+
+
+def test_pause_is_not_tied_to_a_thread_and_leaves_cancel_and_stats_usable(model):
+    with continuous_batching_context_manager(model, GREEDY, CB) as manager:
+        rid = manager.add_request([1, 2, 3], max_new_tokens=400)
+        keep = manager.add_request([4, 5, 6], max_new_tokens=3)
+        paused = threading.Event()
+
+        def pauser():
+            manager.pause_generation()
+            paused.set()
+
+        t = threading.Thread(target=pauser)
+        t.start()
+        t.join(30)
+        assert paused.is_set() and manager.paused
+        steps = manager.stats()["steps"]  # stats and cancel do not wait for the pause to end
+        assert manager.cancel_request(rid)
+        assert manager.get_result(rid, timeout=5).status == RequestStatus.CANCELLED
+        threading.Event().wait(0.2)
+        assert manager.stats()["steps"] == steps  # parked: no step ran
+        resumer = threading.Thread(target=manager.resume_generation)
+        resumer.start()
+        resumer.join(30)
+        assert not manager.paused
+        assert manager.get_result(keep, timeout=60).status == RequestStatus.FINISHED
+        with pytest.raises(RuntimeError, match="without a matching"):
+            manager.resume_generation()

@@ -8,6 +8,7 @@ a base seed, so a batch is reproducible and independent of what else runs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 import time
@@ -133,8 +134,7 @@ class RolloutGenerator:
         self.share_weights = share_weights
         self.model = model if share_weights else generation_copy(model, dtype)
         self.tokenizer = tokenizer
-        config = continuous_batching_config or ContinuousBatchingConfig()
-        config.return_logprobs = True
+        config = dataclasses.replace(continuous_batching_config or ContinuousBatchingConfig(), return_logprobs=True)
         gen_config = generation_config or getattr(model, "generation_config", None)
         self.manager = ContinuousBatchingManager(self.model, gen_config, config, tokenizer=tokenizer)
         self._rng = random.Random(seed if seed is not None else config.seed)

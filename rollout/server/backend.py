@@ -7,11 +7,10 @@ Three kinds of threads, so the event loop never blocks on the engine:
   condition variable would all wake at every step). Streaming sequences each get a pump thread from a bounded pool
   that iterates `request_id_iter` into an asyncio queue. The manager batches everything submitted whatever the
   number of threads, so no request is serialized behind another;
-- one control thread runs everything that takes the engine lock (cancel, stats, pause/resume, applying weights,
-  resetting the prefix cache). `manager.pause()` holds a thread-owned re-entrant lock, so an HTTP `/pause` can only
-  be held across requests if the same thread later releases it; running every engine-lock user on that thread also
-  means cancel, stats and weight updates keep working while generation is paused (pause -> update -> resume is the
-  usual RL sequence);
+- one control thread runs everything that waits on the engine lock (cancel, stats, pause/resume, applying weights,
+  resetting the prefix cache), so none of it blocks the event loop or a worker pool; an HTTP `/pause` holds the
+  manager's pause counter (`pause_generation`) across requests, and cancel, stats and weight updates keep working
+  while generation is paused (pause -> update -> resume is the usual RL sequence);
 - staging a weight update (reading files, validating, converting dtypes) runs on ordinary worker threads, so it
   never delays a cancel or a metrics scrape; only the final in-place copy runs on the control thread, under pause.
 """
@@ -83,7 +82,7 @@ class ServerBackend:
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-server-control")
         # One pump thread per streaming sequence; past `max_streams` pumps queue (their outputs wait in the manager).
         self._pumps = concurrent.futures.ThreadPoolExecutor(max_streams, thread_name_prefix="rollout-server-pump")
-        self._pause_ctx: contextlib.AbstractContextManager | None = None
+        self._paused = False  # whether an HTTP /pause holds one of the manager's pause counts
         self._sessions: dict[str, UpdateSession] = {}
         self._sessions_lock = threading.Lock()
         self._closed = False
@@ -127,7 +126,7 @@ class ServerBackend:
 
     @property
     def paused(self) -> bool:
-        return self._pause_ctx is not None
+        return self._paused
 
     def healthy(self) -> bool:
         return not self._closed and self.manager.is_running()
@@ -265,17 +264,16 @@ class ServerBackend:
 
     # ------------------------------------------------------------ pause, stats
     def _pause(self) -> bool:
-        if self._pause_ctx is None:
-            ctx = self.manager.pause()
-            ctx.__enter__()
-            self._pause_ctx = ctx
+        if not self._paused:
+            self.manager.pause_generation()
+            self._paused = True
             logger.info("generation paused")
         return True
 
     def _resume(self) -> bool:
-        ctx, self._pause_ctx = self._pause_ctx, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        if self._paused:
+            self._paused = False
+            self.manager.resume_generation()
             logger.info("generation resumed")
         return False
 
