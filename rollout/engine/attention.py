@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
+from rollout.engine.flash_backend import FlashBatch, flash_paged_attention
 from rollout.engine.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "rollout_paged"
@@ -49,6 +50,7 @@ class AttentionBatch:
     decode_slots: torch.Tensor | None = None  # [Bd, L] context slots per row (padded)
     decode_lens: torch.Tensor | None = None  # [Bd] context length per row
     prefills: list[PrefillSegment] = field(default_factory=list)
+    flash: FlashBatch | None = None  # set when the flash-attn kernels serve this step (CUDA only)
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -112,6 +114,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache.write(layer, batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_cache, v_cache = cache.keys[layer], cache.values[layer]
+    if batch.flash is not None:
+        out = flash_paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.flash, cache.page_size,
+                                    scaling, window, softcap)
+        return out.unsqueeze(0), None
 
     q_all = query[0]  # [H, T, D]
     out = torch.empty(q_all.shape[1], q_all.shape[0], q_all.shape[2], dtype=query.dtype, device=query.device)

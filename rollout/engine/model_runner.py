@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout.engine.attention import AttentionBatch, PrefillSegment, engine_attention
+from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.step import StepPlan
 
@@ -36,6 +37,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.page_size = cache.page_size
+        self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
 
     def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
         """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
@@ -54,6 +56,24 @@ class ModelRunner:
         slots = tables[row_of_token, positions // page] * page + positions % page
 
         batch = AttentionBatch(cache=self.cache, slots=slots.to(dev))
+        if self.use_flash:
+            batch.flash = build_flash_batch(tables, query_lens, ends, dev)
+        else:
+            self._add_sdpa_metadata(batch, tables, query_lens, ends, offsets)
+
+        sample_rows = torch.tensor(plan.sample_rows, dtype=torch.long)
+        keep = (offsets[sample_rows] + query_lens[sample_rows] - 1).to(dev)
+        inputs = {
+            "input_ids": torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None],
+            "position_ids": positions.to(dev)[None],
+            "rollout_batch": batch,
+        }
+        return inputs, keep
+
+    def _add_sdpa_metadata(self, batch: AttentionBatch, tables: torch.Tensor, query_lens: torch.Tensor,
+                           ends: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Decode rows attend together over a padded gather of their contexts; each prefill chunk attends alone."""
+        dev, page = self.device, self.page_size
         decode_rows = (query_lens == 1).nonzero().flatten()
         if len(decode_rows):
             lens = ends[decode_rows]
@@ -66,16 +86,7 @@ class ModelRunner:
             ctx = int(ends[row])
             ctx_slots = (tables[row, :, None] * page + torch.arange(page)).flatten()[:ctx]
             start = int(offsets[row])
-            batch.prefills.append(PrefillSegment(start, start + plan.query_lens[row], ctx_slots.to(dev)))
-
-        sample_rows = torch.tensor(plan.sample_rows, dtype=torch.long)
-        keep = (offsets[sample_rows] + query_lens[sample_rows] - 1).to(dev)
-        inputs = {
-            "input_ids": torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None],
-            "position_ids": positions.to(dev)[None],
-            "rollout_batch": batch,
-        }
-        return inputs, keep
+            batch.prefills.append(PrefillSegment(start, start + int(query_lens[row]), ctx_slots.to(dev)))
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
