@@ -3,10 +3,11 @@
 The function is selected for the engine's forward only (see `engine_attention`), never left switched on the module:
 the same module may be trained between generation calls.
 
-CPU/SDPA path: decode rows (one query token each) are attended together against a gather of their own contexts,
-padded to the longest one in the step; each prefill chunk is attended alone with a causal offset mask. The cost grows
-with each request's own context, never with a dense block-diagonal mask over the whole batch. On CUDA with flash-attn
-installed, `flash_backend.py` provides the varlen and kv-cache kernels behind the same seam.
+CPU/SDPA path: decode rows (one query token each) are sorted by context length and attended in a few buckets, each
+against a gather of its rows' own KV blocks (whole pages are gathered with one `index_select`, far cheaper than a
+per-token gather); each prefill chunk is attended alone with a causal offset mask. The cost grows with each request's
+own context, never with a dense block-diagonal mask over the whole batch. On CUDA with flash-attn installed,
+`flash_backend.py` provides the varlen and kv-cache kernels behind the same seam.
 """
 
 from __future__ import annotations
@@ -27,17 +28,56 @@ ATTENTION_NAME = "rollout_paged"
 _switch_lock = threading.Lock()
 
 
+def _positions_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility of keys at `k_pos` from queries at `q_pos` (broadcasting)."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+@dataclass
+class DecodeBucket:
+    """One-token rows of similar context length, attended together: rows `tokens` of the packed batch read the
+    blocks `blocks` (`[rows * blocks_per_row]`, row-major) and `lens` keys each."""
+
+    tokens: torch.Tensor
+    blocks: torch.Tensor
+    lens: torch.Tensor
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, width: int, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, width]: which gathered keys each row attends to."""
+        if window not in self._masks:
+            pos = torch.arange(width, device=self.lens.device)[None, :]
+            self._masks[window] = _positions_mask(self.lens[:, None] - 1, pos, window)[:, None, None, :]
+        return self._masks[window]
+
+
 @dataclass
 class PrefillSegment:
-    """One request's chunk of query tokens `[start, end)` in the packed batch, attending to `ctx_slots`."""
+    """One request's chunk of query tokens `[start, end)` in the packed batch, attending to the first `ctx_len`
+    keys held in `blocks`."""
 
     start: int
     end: int
-    ctx_slots: torch.Tensor
+    blocks: torch.Tensor
+    ctx_len: int
+    _masks: dict = field(default_factory=dict)
 
     @property
     def query_len(self) -> int:
         return self.end - self.start
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[q, ctx] causal mask offset to the chunk's place in its context; None when plain causal works."""
+        if self.ctx_len == self.query_len and window is None:
+            return None
+        if window not in self._masks:
+            q_pos = torch.arange(self.ctx_len - self.query_len, self.ctx_len, device=self.blocks.device)[:, None]
+            k_pos = torch.arange(self.ctx_len, device=self.blocks.device)[None, :]
+            self._masks[window] = _positions_mask(q_pos, k_pos, window)
+        return self._masks[window]
 
 
 @dataclass
@@ -46,40 +86,15 @@ class AttentionBatch:
 
     cache: PagedKVCache
     slots: torch.Tensor  # [T] where each token's K/V is written
-    decode_tokens: torch.Tensor | None = None  # [Bd] packed indices of the one-token rows
-    decode_slots: torch.Tensor | None = None  # [Bd, L] context slots per row (padded)
-    decode_lens: torch.Tensor | None = None  # [Bd] context length per row
+    decode: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
     flash: FlashBatch | None = None  # set when the flash-attn kernels serve this step (CUDA only)
-    _masks: dict = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[Bd, 1, 1, L] boolean: which padded context slots each decode row attends to."""
-        key = ("decode", window)
-        if key not in self._masks:
-            pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)
-            lens = self.decode_lens[:, None]
-            mask = pos[None, :] < lens
-            if window is not None:
-                mask &= pos[None, :] > (lens - 1 - window)
-            self._masks[key] = mask[:, None, None, :]
-        return self._masks[key]
 
-    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
-        """[q, L] boolean causal mask with the chunk's offset into its context; None when plain causal works."""
-        seg = self.prefills[index]
-        ctx_len = seg.ctx_slots.shape[0]
-        if ctx_len == seg.query_len and window is None:
-            return None
-        key = ("prefill", index, window)
-        if key not in self._masks:
-            q_pos = torch.arange(ctx_len - seg.query_len, ctx_len, device=seg.ctx_slots.device)[:, None]
-            k_pos = torch.arange(ctx_len, device=seg.ctx_slots.device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            self._masks[key] = mask
-        return self._masks[key]
+def _gather(pages: torch.Tensor, blocks: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Keys or values of `blocks` as `[rows, KVH, width, D]` (one index_select of whole pages)."""
+    out = pages.index_select(0, blocks).view(rows, -1, pages.shape[2], pages.shape[3])[:, :width]
+    return out.transpose(1, 2)
 
 
 def _attend(q, k, v, mask, scaling, softcap, is_causal=False):
@@ -119,19 +134,22 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                                     scaling, window, softcap)
         return out.unsqueeze(0), None
 
+    k_pages = k_cache.view(cache.num_blocks, cache.page_size, *k_cache.shape[1:])
+    v_pages = v_cache.view(cache.num_blocks, cache.page_size, *v_cache.shape[1:])
     q_all = query[0]  # [H, T, D]
     out = torch.empty(q_all.shape[1], q_all.shape[0], q_all.shape[2], dtype=query.dtype, device=query.device)
-    if batch.decode_tokens is not None:
-        q = q_all.index_select(1, batch.decode_tokens).transpose(0, 1).unsqueeze(2)  # [Bd, H, 1, D]
-        k = k_cache[batch.decode_slots].transpose(1, 2).to(q.dtype)  # [Bd, KVH, L, D]
-        v = v_cache[batch.decode_slots].transpose(1, 2).to(q.dtype)
-        o = _attend(q, k, v, batch.decode_mask(window), scaling, softcap)
-        out.index_copy_(0, batch.decode_tokens, o.squeeze(2))
-    for i, seg in enumerate(batch.prefills):
+    for bucket in batch.decode:
+        rows, width = len(bucket.tokens), int(bucket.lens.max())
+        q = q_all.index_select(1, bucket.tokens).transpose(0, 1).unsqueeze(2)  # [rows, H, 1, D]
+        k = _gather(k_pages, bucket.blocks, rows, width).to(q.dtype)
+        v = _gather(v_pages, bucket.blocks, rows, width).to(q.dtype)
+        o = _attend(q, k, v, bucket.mask(width, window), scaling, softcap)
+        out.index_copy_(0, bucket.tokens, o.squeeze(2))
+    for seg in batch.prefills:
         q = q_all[:, seg.start:seg.end].unsqueeze(0)  # [1, H, q, D]
-        k = k_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, L, D]
-        v = v_cache[seg.ctx_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-        o = _attend(q, k, v, batch.prefill_mask(i, window), scaling, softcap, is_causal=True)
+        k = _gather(k_pages, seg.blocks, 1, seg.ctx_len).to(q.dtype)
+        v = _gather(v_pages, seg.blocks, 1, seg.ctx_len).to(q.dtype)
+        o = _attend(q, k, v, seg.mask(window), scaling, softcap, is_causal=True)
         out[seg.start:seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 

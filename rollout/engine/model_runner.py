@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from rollout.engine.attention import AttentionBatch, PrefillSegment, engine_attention
+from rollout.engine.attention import AttentionBatch, DecodeBucket, PrefillSegment, engine_attention
 from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.step import StepPlan
@@ -27,6 +27,19 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, training in flags:
             module.training = training
+
+
+MAX_DECODE_BUCKETS = 4
+MIN_BUCKET_ROWS = 8
+
+
+def _length_buckets(rows: torch.Tensor, lens: torch.Tensor) -> list[torch.Tensor]:
+    """Split rows sorted by context length into a few buckets, so padding to each bucket's longest row wastes
+    little gather and attention work while keeping the number of attention calls per layer small."""
+    count = min(MAX_DECODE_BUCKETS, max(1, len(rows) // MIN_BUCKET_ROWS))
+    if count == 1 or int(lens[-1]) <= 2 * int(lens[0]):
+        return [rows]
+    return list(rows.tensor_split(count))
 
 
 class ModelRunner:
@@ -72,21 +85,22 @@ class ModelRunner:
 
     def _add_sdpa_metadata(self, batch: AttentionBatch, tables: torch.Tensor, query_lens: torch.Tensor,
                            ends: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Decode rows attend together over a padded gather of their contexts; each prefill chunk attends alone."""
+        """Decode rows attend in length buckets over their gathered pages; each prefill chunk attends alone."""
         dev, page = self.device, self.page_size
         decode_rows = (query_lens == 1).nonzero().flatten()
         if len(decode_rows):
             lens = ends[decode_rows]
-            width = int(lens.max())
-            row_slots = (tables[decode_rows, :, None] * page + torch.arange(page)).flatten(1)[:, :width]
-            batch.decode_tokens = offsets[decode_rows].to(dev)
-            batch.decode_slots = row_slots.to(dev)
-            batch.decode_lens = lens.to(dev)
+            order = torch.argsort(lens)
+            for rows in _length_buckets(decode_rows[order], lens[order]):
+                row_lens = ends[rows]
+                num_blocks = -(-int(row_lens.max()) // page)
+                batch.decode.append(DecodeBucket(offsets[rows].to(dev), tables[rows, :num_blocks].flatten().to(dev),
+                                                 row_lens.to(dev)))
         for row in (query_lens > 1).nonzero().flatten().tolist():
             ctx = int(ends[row])
-            ctx_slots = (tables[row, :, None] * page + torch.arange(page)).flatten()[:ctx]
             start = int(offsets[row])
-            batch.prefills.append(PrefillSegment(start, start + int(query_lens[row]), ctx_slots.to(dev)))
+            batch.prefills.append(PrefillSegment(start, start + int(query_lens[row]),
+                                                 tables[row, :-(-ctx // page)].to(dev), ctx))
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
