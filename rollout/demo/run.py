@@ -31,14 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-column", default="answer")
     parser.add_argument("--reward", choices=["exact", "contains"], default="exact",
                         help="exact: the stripped completion equals the answer; contains: the answer appears in it")
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
-    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--num-generations", type=int, default=8, help="GRPO group size")
-    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--max-completion-length", type=int, default=4)
+    parser.add_argument("--max-completion-length", type=int, default=8)
     parser.add_argument("--eval-size", type=int, default=200, help="held-out prompts for before/after accuracy")
     parser.add_argument("--eval-samples", type=int, default=4, help="samples per eval prompt")
     parser.add_argument("--output-dir", default="rollout-demo")
@@ -161,6 +161,32 @@ def report(summary: dict, out: TextIO) -> None:
     out.write("\n".join(lines) + "\n")
 
 
+# ------------------------------------------------------------------------------------------------- progress
+def _progress_callback():
+    """A tqdm bar showing reward and rollout speed, in place of the trainer's per-step log dicts."""
+    from tqdm.auto import tqdm
+    from transformers import TrainerCallback
+
+    class DemoProgress(TrainerCallback):
+        bar = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.bar = tqdm(total=state.max_steps, desc="GRPO", unit="step")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.bar.update(state.global_step - self.bar.n)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.bar.set_postfix(reward=f"{logs['reward']:.2f}",
+                                     tok_s=f"{logs.get('rollout/tokens_per_second', 0):.0f}")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.bar.close()
+
+    return DemoProgress()
+
+
 # -------------------------------------------------------------------------------------------------------- run
 def _wandb_setup(args) -> list[str]:
     if args.no_wandb:
@@ -187,6 +213,7 @@ def _netrc() -> str:
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
     from rollout import ContinuousBatchingConfig
@@ -212,11 +239,13 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
         num_generations=args.num_generations, max_completion_length=args.max_completion_length,
         max_steps=args.steps, learning_rate=args.learning_rate, lr_scheduler_type="constant", beta=0.0,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, logging_steps=1,
-        report_to=report_to, run_name="rollout-demo", save_strategy="no", disable_tqdm=False,
+        report_to=report_to, run_name="rollout-demo", save_strategy="no", disable_tqdm=True,
     )
     trainer = RolloutGRPOTrainer(
         model=model, reward_funcs=reward_fn, args=config, train_dataset=train, processing_class=tokenizer,
-        rollout_config=ContinuousBatchingConfig(page_size=args.page_size), share_weights=args.share_weights)
+        rollout_config=ContinuousBatchingConfig(page_size=args.page_size), share_weights=args.share_weights,
+        callbacks=[_progress_callback()])
+    trainer.remove_callback(PrinterCallback)  # the bar shows reward and speed; W&B gets every metric
     generator = trainer.rollout_generator
     before = {"sampled": evaluate(generator, eval_prompts, eval_answers, args, reward_fn),
               "greedy": evaluate(generator, eval_prompts, eval_answers, args, reward_fn, greedy=True)}
