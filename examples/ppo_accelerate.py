@@ -105,12 +105,13 @@ def main(argv=None) -> dict:
     # The engine generates exactly what the trained module would: greedy check on a few prompts.
     policy = accelerator.unwrap_model(model)
     probe = [r["prompt"] for r in task.make_prompts(4, seed=999)]
-    greedy = generator.generate(probe, sampling_params=SamplingParams(temperature=0, max_new_tokens=4,
-                                                                        ignore_eos=True))
+    greedy = generator.generate(probe, sampling_params=SamplingParams(temperature=0, max_new_tokens=4))
     with torch.no_grad():
-        refs = [policy.generate(torch.tensor([s.prompt_ids]), max_new_tokens=4, do_sample=False,
-                                min_new_tokens=4)[0, len(s.prompt_ids):].tolist() for s in greedy.samples]
+        refs = [policy.generate(torch.tensor([s.prompt_ids]), max_new_tokens=4, do_sample=False)[
+            0, len(s.prompt_ids):].tolist() for s in greedy.samples]
     result["engine_matches_trained_model"] = [s.completion_ids for s in greedy.samples] == refs
+    result["weights_checksum"] = float(sum(p.double().sum() for p in policy.parameters()))
+    result["shard_prompts"] = [r["prompt"] for r in shard]
     if args.out:
         Path(f"{args.out}.rank{accelerator.process_index}.json").write_text(json.dumps(result))
     generator.close()
