@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import (
     GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -50,11 +52,17 @@ def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]
 
 
 @torch.no_grad()
-def greedy_reference(model, prompt: list[int], max_new_tokens: int, tie_gap: float = 1e-4) -> tuple[list[int], int]:
-    """model.generate's greedy tokens and how many of them are safe to compare (before the first near-tie)."""
+def greedy_reference(model, prompt: list[int], max_new_tokens: int, tie_gap: float = 1e-4, force_length: bool = True,
+                     **generate_kwargs) -> tuple[list[int], int]:
+    """model.generate's greedy tokens and how many of them are safe to compare (before the first near-tie).
+
+    force_length: generate exactly max_new_tokens (EOS masked); extra kwargs go to generate (e.g. a penalty).
+    """
+    if force_length:
+        generate_kwargs.setdefault("min_new_tokens", max_new_tokens)
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+                         max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, **generate_kwargs)
     tokens = out.sequences[0, len(prompt):].tolist()
     safe = len(tokens)
     for i, scores in enumerate(out.scores):
@@ -63,3 +71,13 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, tie_gap: flo
             safe = i
             break
     return tokens, safe
+
+
+def perturbed(model, seed: int = 1, scale: float = 0.05):
+    """A copy of `model` with every weight nudged: a stand-in for "the trainer took a step"."""
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(1e-3))
+    return new

@@ -1,26 +1,16 @@
 """RolloutGenerator: groups, reproducibility, the logprob contract, weight updates that keep the KV cache alive."""
 
-import copy
 import threading
 
 import pytest
 import torch
 
-from models import greedy_reference, random_prompts, tiny_model
+from models import greedy_reference, perturbed, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams, WeightUpdateError
 from tokenizer_utils import tiny_tokenizer
 
 CB = ContinuousBatchingConfig(page_size=8, num_blocks=512)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-
-
-def _perturbed(model, seed=1, scale=0.05):
-    new = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(1e-3))
-    return new
 
 
 def _assert_greedy_equals(model, batch, max_new):
@@ -66,7 +56,7 @@ def test_to_tensors_pads_and_masks(model):
 
 def test_update_weights_changes_outputs_and_keeps_every_buffer(model):
     prompts = random_prompts([17, 25], seed=4)
-    new_model = _perturbed(model)
+    new_model = perturbed(model)
     with RolloutGenerator(model, continuous_batching_config=CB) as gen:
         before = gen.generate(prompts, sampling_params=GREEDY)
         _assert_greedy_equals(model, before, 12)
@@ -86,7 +76,7 @@ def test_update_weights_changes_outputs_and_keeps_every_buffer(model):
 
 def test_update_from_a_stream_with_peft_names_bf16_and_tied_weights_once():
     model = tiny_model("qwen3")
-    new_model = _perturbed(model, seed=5)
+    new_model = perturbed(model, seed=5)
     stream = []
     for name, tensor in new_model.state_dict().items():
         if "layers.0.self_attn.q_proj" in name:  # as PEFT names a merged base layer, plus an adapter to skip
@@ -104,7 +94,7 @@ def test_update_from_a_stream_with_peft_names_bf16_and_tied_weights_once():
 @pytest.mark.parametrize("bad", ["unknown", "shape", "nan", "empty"])
 def test_rejected_update_keeps_old_weights(model, bad):
     prompts = random_prompts([15], seed=6)
-    state = _perturbed(model).state_dict()
+    state = perturbed(model).state_dict()
     if bad == "unknown":
         state["model.layers.0.mlp.not_a_weight"] = torch.zeros(3)
     elif bad == "shape":
@@ -136,7 +126,7 @@ def _stream_until_update(gen, new_model, on_update, prompt, max_new=60, switch_a
 
 
 def test_in_flight_update_recompute_is_exact(model):
-    new_model = _perturbed(model, seed=7)
+    new_model = perturbed(model, seed=7)
     prompt = random_prompts([19], seed=8)[0]
     with RolloutGenerator(model, continuous_batching_config=CB) as gen:
         out = _stream_until_update(gen, new_model, "recompute", prompt)
@@ -152,7 +142,7 @@ def test_in_flight_update_recompute_is_exact(model):
 
 
 def test_in_flight_update_keep_tags_versions(model):
-    new_model = _perturbed(model, seed=9)
+    new_model = perturbed(model, seed=9)
     prompt = random_prompts([19], seed=10)[0]
     with RolloutGenerator(model, continuous_batching_config=CB) as gen:
         out = _stream_until_update(gen, new_model, "keep", prompt)

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from models import VOCAB, random_prompts, tiny_model
+from models import VOCAB, greedy_reference, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.engine.engine import LLMEngine
 from rollout.engine.sampler import Sampler, SampleRow
@@ -354,19 +354,8 @@ def test_empirical_distribution_matches_the_truncated_softmax(case, seeded):
 # ---------------------------------------------------------------------------------------------- repetition penalty
 
 
-@torch.no_grad()
 def _hf_greedy(model, prompt, max_new, tie_gap=1e-4, **kw):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                         pad_token_id=0, **kw)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    safe = len(tokens)
-    for i, scores in enumerate(out.scores):
-        top2 = scores[0].float().topk(2).values
-        if float(top2[0] - top2[1]) < tie_gap:
-            safe = i
-            break
-    return tokens, safe
+    return greedy_reference(model, prompt, max_new, tie_gap, force_length=False, **kw)
 
 
 @pytest.mark.parametrize("penalty", [1.5, 0.7])

@@ -20,7 +20,7 @@ import torch
 import uvicorn
 from fastapi.testclient import TestClient
 
-from models import random_prompts, tiny_model
+from models import perturbed, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, WeightUpdateError, generate_batch
 from rollout.client import RolloutClient
 from rollout.server import build_parser_args, create_app, serve
@@ -103,15 +103,6 @@ def reference(server, model, prompts, max_new_tokens):
     outs = generate_batch(copy.deepcopy(model), prompts, sampling_params=params, continuous_batching_config=_cb(),
                           progress_bar=False)
     return [o.generated_tokens for o in outs.values()]
-
-
-def perturbed(model, seed: int, scale: float = 0.05):
-    new = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(1e-3))
-    return new
 
 
 def test_models_health_metrics(server, oai, rc):
