@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -118,13 +119,13 @@ class LLMEngine:
         for i, rid in enumerate(ids):
             sample_sampling = sampling
             if sampling.seed is not None and i:
-                sample_sampling = _replace_seed(sampling, derive_seed(sampling.seed, i))
+                sample_sampling = dataclasses.replace(sampling, seed=derive_seed(sampling.seed, i))
             req = Request(rid, prompt, sample_sampling, arrival=next(self._arrivals), streaming=streaming,
                           sample_index=i)
             self.requests[rid] = req
             group.append(req)
-        leader, group[0].followers = group[0], group[1:]
-        self.scheduler.add(leader)
+        group[0].followers = group[1:]  # one prefill for the group; the others fork off it (see _fork)
+        self.scheduler.add(group[0])
         self.counters["prompt_tokens"] += len(prompt)
         return ids
 
@@ -303,8 +304,3 @@ def _safe_list(prompt_ids) -> list:
     except (TypeError, ValueError):
         return []
 
-
-def _replace_seed(sampling, seed):
-    from dataclasses import replace
-
-    return replace(sampling, seed=seed)

@@ -61,8 +61,22 @@ def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
+def _all_finite(value: torch.Tensor) -> bool:
+    """One pass, no mask allocation: min and max are finite (NaN propagates into both) iff every element is."""
+    if not value.is_floating_point() or value.numel() == 0:
+        return True
+    low, high = torch.aminmax(value)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def stage_update(model: nn.Module, source) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Validate the whole source and return (live tensor, new value) pairs ready to copy. Raises WeightUpdateError."""
+    """Validate the whole source and return (live tensor, new value) pairs ready to copy. Raises WeightUpdateError.
+
+    A module or a mapping keeps its tensors alive and unchanged until we copy, so they are staged by reference (the
+    dtype conversion happens in the final copy). A stream may hand out tensors that are freed or reused right after
+    (ZeRO-3 gathers), so each is copied as it arrives, in the generation model's dtype and device.
+    """
+    transient = not isinstance(source, (nn.Module, Mapping))
     targets = target_tensors(model)
     staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for raw_name, tensor in iter_named_tensors(source):
@@ -76,8 +90,10 @@ def stage_update(model: nn.Module, source) -> list[tuple[torch.Tensor, torch.Ten
         if tuple(tensor.shape) != tuple(target.shape):
             raise WeightUpdateError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, the generation model "
                                     f"has {tuple(target.shape)}")
-        value = tensor.detach().to(device=target.device, dtype=target.dtype, copy=True)
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        value = tensor.detach()
+        if transient:
+            value = value.to(device=target.device, dtype=target.dtype, copy=True)
+        if not _all_finite(value):
             raise WeightUpdateError(f"non-finite values (nan/inf) in {name!r}; refusing the update")
         staged[target.data_ptr()] = (target, value)  # tied names share storage: copy once
     if not staged:

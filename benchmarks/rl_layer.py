@@ -1,0 +1,95 @@
+"""RL-layer costs on the W1 model: update_weights vs a plain in-place copy, and n=8 groups vs 8 separate prompts.
+
+    python benchmarks/rl_layer.py [--threads 2] [--repeats 5]
+
+Both comparisons run side by side in one process; read the ratios, not the absolute seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import build_model, build_w1, format_table  # noqa: E402 - also puts the repo on sys.path
+
+from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams  # noqa: E402
+
+
+def _time_interleaved(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each function, timed round-robin so load drift hits all of them alike."""
+    for fn in fns:
+        fn()  # warm-up
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
+
+
+def weight_sync(gen: RolloutGenerator, trainer: torch.nn.Module, repeats: int) -> list[list]:
+    targets = dict(gen.model.named_parameters())
+    sources = dict(trainer.named_parameters())
+
+    @torch.no_grad()
+    def plain_copy():
+        for name, param in targets.items():
+            param.copy_(sources[name])
+
+    def stream():
+        return ((name, t.detach()) for name, t in trainer.named_parameters())
+
+    bf16 = {k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()}
+    plain, module, streamed, converted = _time_interleaved(
+        [plain_copy, lambda: gen.update_weights(trainer), lambda: gen.update_weights(stream()),
+         lambda: gen.update_weights(bf16)], repeats)
+    return [["plain in-place copy (no checks)", f"{plain * 1e3:.1f}", "1.00"],
+            ["update_weights(module)", f"{module * 1e3:.1f}", f"{module / plain:.2f}"],
+            ["update_weights(stream of pairs)", f"{streamed * 1e3:.1f}", f"{streamed / plain:.2f}"],
+            ["update_weights(bf16 state dict)", f"{converted * 1e3:.1f}", f"{converted / plain:.2f}"]]
+
+
+def groups(gen: RolloutGenerator, repeats: int) -> list[list]:
+    work = build_w1(scale=0.25)
+    prompts = work.prompts
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=64, ignore_eos=True, seed=0)
+
+    def grouped():
+        gen.manager.engine.reset_prefix_cache()
+        return gen.generate(prompts, n=8, sampling_params=params)
+
+    def separate():
+        gen.manager.engine.reset_prefix_cache()
+        return gen.generate([p for p in prompts for _ in range(8)], n=1, sampling_params=params)
+
+    t_group, t_sep = _time_interleaved([grouped, separate], repeats)
+    g, s = grouped().stats, separate().stats
+    return [["n=8 groups", f"{t_group:.2f}", str(g["prefill_tokens"]), str(g["prefix_hit_tokens"]), "1.00"],
+            ["8 separate prompts, n=1", f"{t_sep:.2f}", str(s["prefill_tokens"]), str(s["prefix_hit_tokens"]),
+             f"{t_sep / t_group:.2f}"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    trainer = build_model()
+    trainer.requires_grad_(True)
+    gen = RolloutGenerator(trainer, continuous_batching_config=ContinuousBatchingConfig(page_size=32))
+    params = sum(p.numel() for p in trainer.parameters())
+    print(f"W1 model: {params / 1e6:.1f}M parameters, {args.threads} threads\n")
+    print(format_table(["weight sync", "ms (median)", "x plain copy"], weight_sync(gen, trainer, args.repeats)))
+    print()
+    print(format_table(["8 samples of 8 prompts (64 new tokens each)", "s (median)", "prefill tokens",
+                        "prefix-hit tokens", "time x groups"], groups(gen, max(1, args.repeats // 2))))
+    gen.close()
+
+
+if __name__ == "__main__":
+    main()
