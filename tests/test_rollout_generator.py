@@ -41,6 +41,16 @@ def test_groups_are_prompt_major_reproducible_and_prefilled_once(model):
         assert s.finish_reason == "length" and s.weight_versions == [0] * 10
 
 
+def test_forked_group_members_continue_from_the_shared_prompt_exactly(model):
+    """Greedy n-groups: every member forks off the leader's prefill (shared full blocks, copied partial block)
+    and must produce exactly the reference continuation."""
+    prompts = random_prompts([21, 13, 34, 5], seed=13)  # none a multiple of the page size: partial blocks copied
+    with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        batch = gen.generate(prompts, n=4, sampling_params=GREEDY)
+        assert batch.stats["prefill_tokens"] == sum(len(p) for p in prompts)
+    _assert_greedy_equals(model, batch, 12)
+
+
 def test_to_tensors_pads_and_masks(model):
     with RolloutGenerator(model, continuous_batching_config=CB) as gen:
         batch = gen.generate(random_prompts([3, 9], seed=3), n=2,

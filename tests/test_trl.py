@@ -43,7 +43,7 @@ def _assert_engine_matches_trained_model(trainer, tok):
     model = trainer.model.eval()
     prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]]
     batch = trainer.rollout_generator.generate(prompts, sampling_params=SamplingParams(
-        temperature=0, max_new_tokens=8, ignore_eos=True))
+        temperature=0, max_new_tokens=8, min_new_tokens=8))  # EOS masked, as in the forced-length reference
     for s in batch.samples:
         ref, safe = greedy_reference(model, s.prompt_ids, 8)
         assert s.completion_ids[:safe] == ref[:safe]

@@ -89,12 +89,35 @@ class AttentionBatch:
     decode: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
     flash: FlashBatch | None = None  # set when the flash-attn kernels serve this step (CUDA only)
+    scratch: GatherScratch | None = None
 
 
-def _gather(pages: torch.Tensor, blocks: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+class GatherScratch:
+    """Two reusable buffers for gathered K and V pages. Allocating tens of MiB per layer per step is expensive
+    (fresh pages fault in on every call), so gathers write into buffers that only ever grow."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def view(self, which: int, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A `[num_blocks, *like.shape[1:]]` slice of buffer `which` (0: keys, 1: values)."""
+        shape = (num_blocks, *like.shape[1:])
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < like[0].numel() * num_blocks or buf.dtype != like.dtype \
+                or buf.device != like.device:
+            buf = torch.empty(max(num_blocks, 1) * like[0].numel(), dtype=like.dtype, device=like.device)
+            self._buffers[which] = buf
+        return buf[:like[0].numel() * num_blocks].view(shape)
+
+
+def _gather(pages: torch.Tensor, blocks: torch.Tensor, rows: int, width: int, scratch: GatherScratch | None,
+            which: int) -> torch.Tensor:
     """Keys or values of `blocks` as `[rows, KVH, width, D]` (one index_select of whole pages)."""
-    out = pages.index_select(0, blocks).view(rows, -1, pages.shape[2], pages.shape[3])[:, :width]
-    return out.transpose(1, 2)
+    if scratch is None:
+        out = pages.index_select(0, blocks)
+    else:
+        out = torch.index_select(pages, 0, blocks, out=scratch.view(which, pages, len(blocks)))
+    return out.view(rows, -1, pages.shape[2], pages.shape[3])[:, :width].transpose(1, 2)
 
 
 def _attend(q, k, v, mask, scaling, softcap, is_causal=False):
@@ -141,14 +164,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     for bucket in batch.decode:
         rows, width = len(bucket.tokens), int(bucket.lens.max())
         q = q_all.index_select(1, bucket.tokens).transpose(0, 1).unsqueeze(2)  # [rows, H, 1, D]
-        k = _gather(k_pages, bucket.blocks, rows, width).to(q.dtype)
-        v = _gather(v_pages, bucket.blocks, rows, width).to(q.dtype)
+        k = _gather(k_pages, bucket.blocks, rows, width, batch.scratch, 0).to(q.dtype)
+        v = _gather(v_pages, bucket.blocks, rows, width, batch.scratch, 1).to(q.dtype)
         o = _attend(q, k, v, bucket.mask(width, window), scaling, softcap)
         out.index_copy_(0, bucket.tokens, o.squeeze(2))
     for seg in batch.prefills:
         q = q_all[:, seg.start:seg.end].unsqueeze(0)  # [1, H, q, D]
-        k = _gather(k_pages, seg.blocks, 1, seg.ctx_len).to(q.dtype)
-        v = _gather(v_pages, seg.blocks, 1, seg.ctx_len).to(q.dtype)
+        k = _gather(k_pages, seg.blocks, 1, seg.ctx_len, batch.scratch, 0).to(q.dtype)
+        v = _gather(v_pages, seg.blocks, 1, seg.ctx_len, batch.scratch, 1).to(q.dtype)
         o = _attend(q, k, v, seg.mask(window), scaling, softcap, is_causal=True)
         out[seg.start:seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None

@@ -3,6 +3,10 @@
 Each layer keeps K and V as `[num_blocks * page_size, num_kv_heads, head_dim]`, so a token's place in the cache is one
 integer, its slot: `block * page_size + offset`. Writes are one `index_copy_` per layer and reads one gather, whatever
 the batch looks like.
+
+The storage is allocated once but left untouched: a block is zeroed the first time a step uses it (attention reads
+whole pages, and masked-out slots must hold finite values). Memory the OS has not mapped yet costs nothing, so the
+process only grows with the blocks the workload really reaches.
 """
 
 from __future__ import annotations
@@ -45,9 +49,20 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = device
         slots = num_blocks * page_size
-        self.keys = [torch.zeros(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+        self.keys = [torch.empty(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
                      for _ in range(shape.num_layers)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        self._ready = torch.zeros(num_blocks, dtype=torch.bool)  # blocks zeroed at least once
+
+    def prepare(self, blocks: torch.Tensor) -> None:
+        """Zero the blocks (CPU int tensor of ids) that have never been used, before a step reads them."""
+        fresh = blocks[~self._ready[blocks]]
+        if not len(fresh):
+            return
+        fresh = fresh.unique()
+        for cache in self.keys + self.values:
+            cache.view(self.num_blocks, self.page_size, *cache.shape[1:]).index_fill_(0, fresh.to(cache.device), 0)
+        self._ready[fresh] = True
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +75,7 @@ class PagedKVCache:
 
     def copy_block(self, src: int, dst: int, num_tokens: int | None = None) -> None:
         """Copy a block's contents (all layers) into another block: the copy-on-fork of a partial last block."""
+        self.prepare(torch.tensor([dst]))  # zero it now, or the next step's prepare() would wipe the copy
         n = self.page_size if num_tokens is None else num_tokens
         s, d = src * self.page_size, dst * self.page_size
         for cache in self.keys + self.values:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from rollout.engine.attention import AttentionBatch, DecodeBucket, PrefillSegment, engine_attention
+from rollout.engine.attention import AttentionBatch, DecodeBucket, GatherScratch, PrefillSegment, engine_attention
 from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.step import StepPlan
@@ -51,6 +51,7 @@ class ModelRunner:
         self.device = cache.device
         self.page_size = cache.page_size
         self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
+        self.scratch = GatherScratch()
 
     def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
         """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
@@ -67,8 +68,9 @@ class ModelRunner:
         for i, table in enumerate(plan.block_tables):
             tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.long)
         slots = tables[row_of_token, positions // page] * page + positions % page
+        self.cache.prepare(tables.flatten())
 
-        batch = AttentionBatch(cache=self.cache, slots=slots.to(dev))
+        batch = AttentionBatch(cache=self.cache, slots=slots.to(dev), scratch=self.scratch)
         if self.use_flash:
             batch.flash = build_flash_batch(tables, query_lens, ends, dev)
         else:

@@ -1,8 +1,9 @@
 """Vectorized per-request sampling and the RL logprob contract.
 
 One pass over the `[rows, vocab]` logits applies each row's own repetition penalty, min-new-tokens guard,
-temperature, top-k, top-p and min-p (transformers' order), then samples. Randomness for a seeded row comes from a
-generator keyed by (seed, position) alone, so its tokens do not depend on the rest of the batch and repeat across runs.
+temperature, top-k, top-p and min-p (transformers' order), then samples by inverse CDF. The uniform of a seeded row
+comes from a generator keyed by (seed, position) alone, so its tokens do not depend on the rest of the batch and
+repeat across runs.
 
 Per token it returns `logprobs` (under the truncated, renormalised distribution actually sampled from),
 `policy_logprobs` (fp32 log_softmax(logits / T) over the full vocabulary: what a trainer recomputes) and
@@ -125,20 +126,28 @@ class Sampler:
 
     # ------------------------------------------------------------------ drawing
     def _draw(self, sample_lp: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor) -> torch.Tensor:
-        """Exponential race (Gumbel-max): argmax(log p - log E), E ~ Exp(1) per token, one noise row per sample."""
-        num_rows, vocab = sample_lp.shape
+        """Inverse-CDF sampling with one uniform per row: the first token whose cumulative probability exceeds u.
+
+        A seeded row draws u from a generator keyed by (seed, position), so its token depends on nothing else in the
+        batch. One uniform per row (not one per vocabulary entry) keeps the cost of randomness negligible.
+        """
+        num_rows = sample_lp.shape[0]
         if bool(greedy.all()):
             return torch.argmax(sample_lp, dim=-1)
-        noise = torch.ones(num_rows, vocab)
+        uniforms = torch.zeros(num_rows, dtype=torch.float64)
         unseeded = [i for i, r in enumerate(rows) if r.sampling.seed is None and not r.sampling.greedy]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self.generator)
+            uniforms[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=torch.float64)
         gen = torch.Generator()
         for i, row in enumerate(rows):
             if row.sampling.seed is not None and not row.sampling.greedy:
                 gen.manual_seed(seeded_noise_key(row.sampling.seed, len(row.tokens)))
-                noise[i].exponential_(generator=gen)
-        drawn = torch.argmax(sample_lp - noise.log(), dim=-1)
+                uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64)
+        cdf = sample_lp.double().exp().cumsum(dim=-1)
+        threshold = uniforms[:, None] * cdf[:, -1:]  # scaled by the row's total: robust to rounding in the sum
+        drawn = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
+        # u * total < total, so a token is always found; the clamp only guards the last ulp.
+        drawn = drawn.clamp_max(sample_lp.shape[1] - 1)
         if bool(greedy.any()):
             drawn = torch.where(greedy, torch.argmax(sample_lp, dim=-1), drawn)
         return drawn

@@ -1,0 +1,463 @@
+"""Shared pieces of the benchmarks: the W1 model, the W1 workload, RSS measurement and small formatting helpers.
+
+Everything is built locally from configs and seeds (no hub, no network), so every system in a run sees exactly the same
+weights and the same requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python benchmarks/x.py` from anywhere imports this checkout's `rollout`
+    sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+# --------------------------------------------------------------------------------------------------------- the model
+# Qwen3 architecture, about 25.7M parameters (tied embeddings).
+MODEL_CONFIG = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise SystemExit(f"unknown --dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def model_config(attn_implementation: str = "sdpa"):
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**MODEL_CONFIG)
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def build_model(dtype: str | torch.dtype = "float32", attn_implementation: str = "sdpa", seed: int = 0):
+    """The W1 model: Qwen3ForCausalLM from `MODEL_CONFIG`, weights drawn with `torch.manual_seed(seed)`, eval mode."""
+    from transformers import Qwen3ForCausalLM
+
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(model_config(attn_implementation)).eval()
+    model.requires_grad_(False)
+    return model.to(dtype)
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------------ the workload
+@dataclass
+class Workload:
+    """W1: `num_prompts` prompts x `samples` samples; sequence i is sample `i % samples` of prompt `i // samples`."""
+
+    prompts: list[list[int]]
+    samples: int
+    max_new_tokens: list[int]  # per sequence, len == len(prompts) * samples
+    seed: int
+    scale: float
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.max_new_tokens)
+
+    def sequences(self) -> list[tuple[int, list[int], int]]:
+        """(prompt index, prompt ids, max_new_tokens) for every sequence, in submission order."""
+        return [(i // self.samples, self.prompts[i // self.samples], n) for i, n in enumerate(self.max_new_tokens)]
+
+    @property
+    def requested_tokens(self) -> int:
+        return sum(self.max_new_tokens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens over all sequences (what a system without prefix sharing prefills)."""
+        return sum(len(p) for _, p, _ in self.sequences())
+
+    def summary(self) -> dict:
+        lens = [len(p) for p in self.prompts]
+        mnt = np.array(self.max_new_tokens)
+        return dict(
+            prompts=len(self.prompts), samples=self.samples, sequences=self.num_sequences,
+            prompt_len_min=min(lens), prompt_len_max=max(lens), prompt_len_mean=round(float(np.mean(lens)), 1),
+            max_new_min=int(mnt.min()), max_new_median=float(np.median(mnt)), max_new_mean=round(float(mnt.mean()), 1),
+            max_new_max=int(mnt.max()), requested_tokens=self.requested_tokens,
+            unique_prompt_tokens=sum(lens), all_prompt_tokens=self.prompt_tokens, seed=self.seed, scale=self.scale)
+
+
+W1_PROMPTS = 32
+W1_SAMPLES = 8
+W1_PROMPT_LEN = (16, 128)  # inclusive
+W1_MEDIAN_NEW = 64.0
+W1_SIGMA = 0.6  # lognormal sigma of max_new_tokens: ~1% of samples clip at each end
+W1_NEW_CLIP = (16, 256)
+
+
+def build_w1(scale: float = 1.0, seed: int = 0, vocab_size: int = MODEL_CONFIG["vocab_size"]) -> Workload:
+    """W1, shaped like one GRPO step: 32 prompts of 16-128 random ids, 8 samples each, per-sample max_new_tokens.
+
+    `scale` keeps the first `round(32 * scale)` prompts (at least 1) of the full workload, so a scaled run is a prefix
+    of the full one, with the same lengths and budgets.
+    """
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(W1_PROMPT_LEN[0], W1_PROMPT_LEN[1] + 1, size=W1_PROMPTS)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lens]
+    new = rng.lognormal(mean=math.log(W1_MEDIAN_NEW), sigma=W1_SIGMA, size=W1_PROMPTS * W1_SAMPLES)
+    new = np.clip(np.rint(new), *W1_NEW_CLIP).astype(int).tolist()
+    keep = max(1, min(W1_PROMPTS, round(W1_PROMPTS * scale)))
+    return Workload(
+        prompts=prompts[:keep], samples=W1_SAMPLES, max_new_tokens=new[:keep * W1_SAMPLES], seed=seed, scale=scale,
+        description=(f"W1: {keep} prompts x {W1_SAMPLES} samples, prompt len U[{W1_PROMPT_LEN[0]},{W1_PROMPT_LEN[1]}], "
+                     f"max_new_tokens lognormal(median {W1_MEDIAN_NEW:g}, sigma {W1_SIGMA}) clipped to "
+                     f"{list(W1_NEW_CLIP)}, EOS ignored, temperature 1"))
+
+
+def build_warmup(vocab_size: int = MODEL_CONFIG["vocab_size"]) -> Workload:
+    """A tiny run to pay one-off costs (lazy imports, allocator, kernels) before timing: 2 prompts x 2 samples."""
+    rng = np.random.default_rng(12345)
+    prompts = [rng.integers(0, vocab_size, size=n).tolist() for n in (40, 20)]
+    return Workload(prompts=prompts, samples=2, max_new_tokens=[8, 5, 6, 7], seed=12345, scale=0.0,
+                    description="warm-up")
+
+
+def useful_tokens(asked: list[int], produced: list[int]) -> tuple[int, int]:
+    """(sum of min(asked, produced), number of sequences that produced fewer tokens than asked)."""
+    useful = sum(min(a, p) for a, p in zip(asked, produced, strict=True))
+    short = sum(1 for a, p in zip(asked, produced, strict=True) if p < a)
+    return useful, short
+
+
+# ------------------------------------------------------------------------------------------------------------ memory
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def current_rss_mib() -> float:
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss / 2**20
+    except ImportError:  # pragma: no cover
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+# -------------------------------------------------------------------------------------------------------- formatting
+def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    """Plain fixed-width table; `align` is one char per column ('l' or 'r'), default: first left, rest right."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    align = align or "l" + "r" * (len(headers) - 1)
+
+    def line(r):
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align, strict=True))
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def environment() -> dict:
+    import platform
+
+    import transformers
+
+    return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+                cpu_count=os.cpu_count(), machine=platform.machine(), processor=platform.processor() or None,
+                **git_state())
+
+
+def git_state() -> dict:
+    """The commit under test and whether `rollout/` has uncommitted changes (numbers belong to a code state)."""
+    import subprocess
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return dict(git_commit=git("rev-parse", "--short", "HEAD") or None,
+                rollout_dirty=bool(git("status", "--porcelain", "--", "rollout")))
+
+
+def as_dict(obj) -> dict:
+    return asdict(obj)
+
+
+# --------------------------------------------------------------------------------------------------------- profiling
+class PhaseTimers:
+    """Wall-clock accumulators around the engine's stages, installed by patching classes for the duration of a `with`.
+
+    Nothing in `rollout/` changes: the wrappers call the originals and are removed on exit. With `annotate=True` each
+    stage is also a `torch.profiler.record_function` range, so the profiler table shows the stages and their Python
+    self time next to the aten ops.
+    """
+
+    PHASES = [
+        # (name, parent, description)
+        ("wall", None, "wall time of the timed region"),
+        ("step", "wall", "LLMEngine.step (all steps)"),
+        ("schedule", "step", "Scheduler.schedule: plan the step"),
+        ("runner", "step", "ModelRunner.run: inputs + forward"),
+        ("build_batch", "runner", "ModelRunner.build_batch: positions, slots, block tables"),
+        ("forward", "runner", "model forward (run - build_batch)"),
+        ("attention", "forward", "paged attention, all layers"),
+        ("kv_write", "attention", "PagedKVCache.write (index_copy_ of K and V)"),
+        ("kv_gather", "attention", "attention._gather: K/V pages gathered for decode rows (if the engine has it)"),
+        ("attend", "attention", "_attend: SDPA over gathered K/V"),
+        ("attn_rest", "attention", "rest of attention: K/V gather (when not in _gather), q select, masks, copies"),
+        ("linear_etc", "forward", "rest of forward: linears, norms, RoPE, MLP, lm_head"),
+        ("sampler", "step", "Sampler.sample"),
+        ("step_rest", "step", "step bookkeeping: logits row select, append tokens, fork, stop checks, block hashing"),
+        ("outside", "wall", "outside steps: engine init, add_request, output collection"),
+    ]
+
+    def __init__(self, annotate: bool = False) -> None:
+        self.annotate = annotate
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.step_kinds: dict[str, list[float]] = {"decode-only": [], "mixed/prefill": []}
+        self.step_rows: dict[str, list[int]] = {"decode-only": [], "mixed/prefill": []}
+        self._restore: list = []
+        self.missing: list[str] = []
+        self._last_kind = None
+        self._last_rows = 0
+
+    def _timed(self, name, fn):
+        timers = self
+        import functools
+        import time as _time
+
+        from torch.profiler import record_function
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            ctx = record_function(f"rollout::{name}") if timers.annotate else contextlib.nullcontext()
+            t = _time.perf_counter()
+            with ctx:
+                out = fn(*a, **k)
+            timers.totals[name] = timers.totals.get(name, 0.0) + _time.perf_counter() - t
+            timers.counts[name] = timers.counts.get(name, 0) + 1
+            return out
+
+        return wrapper
+
+    def _patch(self, owner, attr, name, wrap=None):
+        """Wrap `owner.attr`; a stage the engine no longer has is skipped (the engine changes under the benchmark)."""
+        original = getattr(owner, attr, None)
+        if original is None:
+            self.missing.append(f"{getattr(owner, '__name__', owner)}.{attr}")
+            return
+        setattr(owner, attr, (wrap or self._timed)(name, original))
+        self._restore.append((owner, attr, original))
+
+    def __enter__(self):
+        import time as _time
+
+        from transformers import AttentionInterface
+
+        from rollout.engine import attention as attn_mod
+        from rollout.engine import engine as engine_mod
+        from rollout.engine import kv_cache as kv_mod
+        from rollout.engine import model_runner as runner_mod
+        from rollout.engine import sampler as sampler_mod
+        from rollout.engine import scheduler as sched_mod
+
+        timers = self
+        timed_schedule = self._timed("schedule", sched_mod.Scheduler.schedule)
+
+        def schedule(*a, **k):
+            plan = timed_schedule(*a, **k)
+            timers._last_kind = "decode-only" if plan.query_lens and max(plan.query_lens) == 1 else "mixed/prefill"
+            timers._last_rows = len(plan.query_lens)
+            return plan
+
+        self._patch(sched_mod.Scheduler, "schedule", "schedule", wrap=lambda name, fn: schedule)
+        timed_step = self._timed("step", engine_mod.LLMEngine.step)
+
+        def step(*a, **k):
+            timers._last_kind = None
+            t = _time.perf_counter()
+            out = timed_step(*a, **k)
+            if timers._last_kind is not None and timers._last_rows:
+                timers.step_kinds[timers._last_kind].append(_time.perf_counter() - t)
+                timers.step_rows[timers._last_kind].append(timers._last_rows)
+            return out
+
+        self._patch(engine_mod.LLMEngine, "step", "step", wrap=lambda name, fn: step)
+        self._patch(runner_mod.ModelRunner, "run", "runner")
+        self._patch(runner_mod.ModelRunner, "build_batch", "build_batch")
+        self._patch(sampler_mod.Sampler, "sample", "sampler")
+        self._patch(kv_mod.PagedKVCache, "write", "kv_write")
+        self._patch(attn_mod, "_attend", "attend")
+        self._patch(attn_mod, "_gather", "kv_gather")
+        original_attention = attn_mod.paged_attention_forward
+        AttentionInterface.register(attn_mod.ATTENTION_NAME, self._timed("attention", original_attention))
+        self._restore.append((None, attn_mod.ATTENTION_NAME, original_attention))
+        return self
+
+    def __exit__(self, *exc):
+        from transformers import AttentionInterface
+
+        for owner, attr, original in reversed(self._restore):
+            if owner is None:
+                AttentionInterface.register(attr, original)
+            else:
+                setattr(owner, attr, original)
+        self._restore.clear()
+        return False
+
+    def report(self, wall_s: float) -> str:
+        t = dict(self.totals)
+        t["wall"] = wall_s
+        t["forward"] = t.get("runner", 0.0) - t.get("build_batch", 0.0)
+        t["attn_rest"] = (t.get("attention", 0.0) - t.get("kv_write", 0.0) - t.get("kv_gather", 0.0)
+                          - t.get("attend", 0.0))
+        t["linear_etc"] = t["forward"] - t.get("attention", 0.0)
+        t["step_rest"] = t.get("step", 0.0) - t.get("schedule", 0.0) - t.get("runner", 0.0) - t.get("sampler", 0.0)
+        t["outside"] = wall_s - t.get("step", 0.0)
+        steps = max(1, self.counts.get("step", 0))
+        depth = {}
+        rows = []
+        for name, parent, desc in self.PHASES:
+            depth[name] = 0 if parent is None else depth[parent] + 1
+            rows.append(["  " * depth[name] + name, f"{t.get(name, 0.0):.3f}", f"{100 * t.get(name, 0.0) / wall_s:.1f}",
+                         f"{1000 * t.get(name, 0.0) / steps:.2f}", desc])
+        out = [format_table(["phase", "seconds", "% wall", "ms/step", "what"], rows, align="lrrrl")]
+        out.append(f"steps: {self.counts.get('step', 0)}")
+        if self.missing:
+            out.append(f"(not timed, absent in this engine version: {', '.join(self.missing)})")
+        for kind, times in self.step_kinds.items():
+            if times:
+                rows_ = self.step_rows[kind]
+                out.append(f"  {kind}: {len(times)} steps, {1000 * sum(times) / len(times):.2f} ms/step, "
+                           f"{sum(rows_) / len(rows_):.1f} requests/step, {sum(times):.2f}s total")
+        return "\n".join(out)
+
+
+OP_CATEGORIES = [
+    # (label, exact aten op names, substrings)
+    ("matmul (linear layers, lm_head)",
+     {"aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"}, ("mkldnn", "onednn")),
+    ("attention kernel (sdpa)", set(), ("scaled_dot_product", "flash_attention")),
+    ("gather / scatter / index",
+     {"aten::index", "aten::index_select", "aten::index_copy_", "aten::index_copy", "aten::index_put_",
+      "aten::_index_put_impl_", "aten::gather", "aten::scatter", "aten::scatter_", "aten::take",
+      "aten::masked_select", "aten::nonzero", "aten::repeat_interleave", "aten::masked_fill",
+      "aten::masked_fill_"}, ()),
+    ("copies / casts / allocation",
+     {"aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous", "aten::cat", "aten::stack",
+      "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::zeros", "aten::zeros_like", "aten::ones",
+      "aten::ones_like", "aten::fill_", "aten::zero_", "aten::resize_", "aten::lift_fresh", "aten::full",
+      "aten::arange", "aten::detach", "aten::alias", "aten::view", "aten::reshape", "aten::transpose",
+      "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::expand", "aten::as_strided",
+      "aten::t", "aten::permute", "aten::flatten", "aten::narrow", "aten::split", "aten::chunk", "aten::unbind",
+      "aten::_unsafe_view", "aten::item", "aten::_local_scalar_dense", "aten::tensor_split"}, ()),
+    ("sampling math",
+     {"aten::exponential_", "aten::log_softmax", "aten::_log_softmax", "aten::argmax", "aten::sort",
+      "aten::logsumexp", "aten::softmax", "aten::_softmax", "aten::multinomial", "aten::log", "aten::cumsum",
+      "aten::topk", "aten::max", "aten::where", "aten::sub", "aten::div"}, ()),
+    ("python overhead (self time of the engine phase ranges: engine + transformers module code)", set(),
+     ("rollout::",)),
+]
+
+
+def op_categories(averages) -> str:
+    """Self CPU time of a torch.profiler key_averages() grouped into coarse categories."""
+    totals: dict[str, float] = {}
+    names: dict[str, list[tuple[float, str]]] = {}
+    grand = 0.0
+    for evt in averages:
+        self_us = evt.self_cpu_time_total
+        grand += self_us
+        cat = "elementwise / norms / other aten"
+        for label, exact, substrings in OP_CATEGORIES:
+            if evt.key in exact or any(p in evt.key for p in substrings):
+                cat = label
+                break
+        totals[cat] = totals.get(cat, 0.0) + self_us
+        names.setdefault(cat, []).append((self_us, evt.key))
+    rows = []
+    for cat, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        top = ", ".join(f"{k} {v / 1e6:.2f}s" for v, k in sorted(names[cat], reverse=True)[:3])
+        rows.append([cat, f"{us / 1e6:.3f}", f"{100 * us / grand:.1f}", top])
+    return format_table(["category", "self CPU s", "%", "largest ops"], rows, align="lrrl")
+
+
+# ------------------------------------------------------------------------------------------------------------- noise
+class LoadMonitor:
+    """Samples the 1-minute load average and this process's CPU time during a timed region.
+
+    The machine is shared: `cpu_util` (process CPU seconds / wall seconds) well below the thread count, or a load
+    average above the core count, means other processes took cores and the run's wall time is inflated.
+    """
+
+    def __init__(self, interval: float = 1.0) -> None:
+        import threading
+
+        self.interval = interval
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append(os.getloadavg()[0])
+
+    @staticmethod
+    def _cpu() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    def __enter__(self):
+        import time
+
+        self.samples.append(os.getloadavg()[0])
+        self._cpu0, self._t0 = self._cpu(), time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        import time
+
+        self._stop.set()
+        self._thread.join()
+        self.cpu_s = self._cpu() - self._cpu0
+        self.wall_s = time.perf_counter() - self._t0
+        self.samples.append(os.getloadavg()[0])
+        return False
+
+    def summary(self) -> dict:
+        return dict(cpu_s=self.cpu_s, cpu_util=self.cpu_s / max(self.wall_s, 1e-9),
+                    load_mean=sum(self.samples) / len(self.samples), load_max=max(self.samples))

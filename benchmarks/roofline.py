@@ -1,0 +1,282 @@
+"""Roofline for W1's model on this machine, and our engine's fraction of it in steady decode.
+
+1. Matmul throughput at the model's shapes: `[tokens, in] @ [in, out]` (as `F.linear`, like the model's bias-free
+   `nn.Linear`s) for q, k, v, o, gate, up, down and the lm_head, best of several trials each.
+2. FLOPs per token from the config: 2 x (weights of every linear layer, lm_head included) plus attention
+   (QK^T and AV: 4 x heads x head_dim x context per layer) at a given context length.
+3. Ceiling tokens/s = (all linear FLOPs of one forward at `--tokens` rows) / (measured time of those matmuls), per
+   token. This is the ideal: every FLOP at the measured matmul rate, nothing else costs anything.
+4. Our engine in steady decode: `--decode-batch` sequences, all decoding (one token each per step), timed over
+   `--decode-steps` steps, as tokens/s and as a fraction of the ceiling; then the same steps with phase timers.
+
+    python benchmarks/roofline.py                    # fp32, 2 threads
+    python benchmarks/roofline.py --dtype bfloat16 --json
+    python benchmarks/roofline.py --from-throughput w1.json   # also: W1 end-to-end as a fraction of the ceiling
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    MODEL_CONFIG,
+    LoadMonitor,
+    PhaseTimers,
+    build_model,
+    count_params,
+    environment,
+    format_table,
+    torch_dtype,
+)
+
+
+def linear_shapes(cfg: dict = MODEL_CONFIG) -> list[tuple[str, int, int, int]]:
+    """(name, in_features, out_features, how many per forward) for every linear layer of the model."""
+    h, heads, kv, d, inter, layers = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                                      cfg["head_dim"], cfg["intermediate_size"], cfg["num_hidden_layers"])
+    return [
+        ("q_proj", h, heads * d, layers),
+        ("k_proj", h, kv * d, layers),
+        ("v_proj", h, kv * d, layers),
+        ("o_proj", heads * d, h, layers),
+        ("gate_proj", h, inter, layers),
+        ("up_proj", h, inter, layers),
+        ("down_proj", inter, h, layers),
+        ("lm_head", h, cfg["vocab_size"], 1),
+    ]
+
+
+def flops_per_token(context: float, cfg: dict = MODEL_CONFIG) -> dict:
+    linear = sum(2 * i * o * n for _, i, o, n in linear_shapes(cfg))
+    attention = 4 * cfg["num_attention_heads"] * cfg["head_dim"] * context * cfg["num_hidden_layers"]
+    return dict(linear=linear, attention=attention, total=linear + attention)
+
+
+def time_matmul(tokens: int, fan_in: int, fan_out: int, dtype: torch.dtype, min_time: float = 0.2,
+                trials: int = 5) -> float:
+    """Best seconds per `F.linear(x[tokens, in], W[out, in])` over `trials` trials of at least `min_time` each."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, fan_in, generator=g).to(dtype)
+    w = (torch.randn(fan_out, fan_in, generator=g) * fan_in ** -0.5).to(dtype)
+    with torch.inference_mode():
+        for _ in range(3):
+            F.linear(x, w)
+        t = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t < 0.05:
+            F.linear(x, w)
+            n += 1
+        per_call = (time.perf_counter() - t) / n
+        reps = max(1, int(min_time / per_call))
+        best = float("inf")
+        for _ in range(trials):
+            t = time.perf_counter()
+            for _ in range(reps):
+                F.linear(x, w)
+            best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def measure_matmuls(tokens: int, dtype: torch.dtype, min_time: float, trials: int) -> dict:
+    rows, total_flops, total_time = [], 0.0, 0.0
+    for name, fan_in, fan_out, count in linear_shapes():
+        sec = time_matmul(tokens, fan_in, fan_out, dtype, min_time, trials)
+        flops = 2.0 * tokens * fan_in * fan_out
+        rows.append(dict(name=name, shape=f"[{tokens},{fan_in}]x[{fan_in},{fan_out}]", count=count, seconds=sec,
+                         gflops=flops / sec / 1e9))
+        total_flops += flops * count
+        total_time += sec * count
+    return dict(shapes=rows, forward_matmul_s=total_time, forward_flops=total_flops,
+                gflops=total_flops / total_time / 1e9)
+
+
+def w1_bound(dtype: torch.dtype, min_time: float, trials: int, scale: float = 1.0) -> dict:
+    """Schedule-aware ideal for W1: all sequences start together and decode until their own budget, so step s runs
+    as many rows as there are sequences with max_new_tokens >= s (256 rows first, a handful in the tail). Each step
+    costs the measured time of all linears at that row count (log-interpolated over a sweep); the prefill computes
+    each prompt once (perfect prefix sharing) at the 256-row rate. Attention, sampling and overheads cost nothing."""
+    import numpy as np
+
+    from benchmarks.common import build_w1
+
+    grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    step_ms = [1e3 * sum(time_matmul(rows, i, o, dtype, min_time, trials) * n for _, i, o, n in linear_shapes())
+               for rows in grid]
+    work = build_w1(scale)
+    budgets = np.array(work.max_new_tokens)
+    rows_per_step = [int((budgets >= s).sum()) for s in range(1, int(budgets.max()) + 1)]
+    decode_s = sum(float(np.interp(np.log2(r), np.log2(grid), step_ms)) for r in rows_per_step) / 1e3
+    unique_prompt = sum(len(p) for p in work.prompts)
+    linear_per_token = flops_per_token(0)["linear"]
+    rate_256 = 256 * linear_per_token / (step_ms[-1] / 1e3)  # FLOP/s of all linears at 256 rows
+    prefill_s = unique_prompt * linear_per_token / rate_256
+    total = decode_s + prefill_s
+    return dict(grid=grid, step_ms=step_ms, steps=len(rows_per_step), mean_rows=float(np.mean(rows_per_step)),
+                decode_s=decode_s, prefill_s=prefill_s, unique_prompt_tokens=unique_prompt,
+                requested_tokens=int(budgets.sum()), ideal_tok_s=int(budgets.sum()) / total, scale=scale)
+
+
+# --------------------------------------------------------------------------------------------------- steady decode
+def steady_decode(model, args) -> dict:
+    """`decode_batch` sequences decoding together; tokens/s over `decode_steps` all-decode steps."""
+    from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    vocab = MODEL_CONFIG["vocab_size"]
+    budget = args.decode_steps * 2 + args.decode_warmup + 8  # nobody finishes during the timed windows
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.decode_batch)]
+    page = args.engine_page_size
+    # Enough blocks for every sequence's whole life (per-sequence page rounding included): no preemption.
+    blocks = args.decode_batch * -(-(args.prompt_len + budget) // page) + 8
+    cfg = ContinuousBatchingConfig(page_size=page, num_blocks=blocks)
+    engine = LLMEngine(model, None, cfg)
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(seed=None if args.no_seed else i, max_new_tokens=budget, temperature=1.0, top_k=0,
+                            top_p=1.0, ignore_eos=True)
+        engine.add_request(p, request_id=f"d{i}", sampling_params=sp)
+
+    t = time.perf_counter()
+    while True:  # prefill everyone (chunked by the engine's token budget)
+        engine.step()
+        s = engine.stats()
+        if s["waiting"] == 0 and s["generated_tokens"] >= args.decode_batch:
+            break
+    prefill_s = time.perf_counter() - t
+    for _ in range(args.decode_warmup):
+        engine.step()
+
+    def timed_steps():
+        before = engine.stats()
+        ctx0 = args.prompt_len + before["generated_tokens"] / args.decode_batch
+        with LoadMonitor() as mon:
+            t0 = time.perf_counter()
+            for _ in range(args.decode_steps):
+                engine.step()
+            wall = time.perf_counter() - t0
+        after = engine.stats()
+        tokens = after["decode_tokens"] - before["decode_tokens"]
+        steps = after["steps"] - before["steps"]
+        ctx1 = args.prompt_len + after["generated_tokens"] / args.decode_batch
+        return dict(wall_s=wall, tokens=tokens, steps=steps, tok_s=tokens / wall, ms_per_step=1000 * wall / steps,
+                    mean_context=(ctx0 + ctx1) / 2, all_decode=tokens == steps * args.decode_batch,
+                    preemptions=after["preemptions"] - before["preemptions"], **mon.summary())
+
+    plain = timed_steps()
+    with PhaseTimers() as timers:
+        phased = timed_steps()
+    return dict(prefill_s=prefill_s, timed=plain, with_timers=phased, phases=timers.report(phased["wall_s"]))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=256, help="rows of the matmuls (tokens per forward; default 256)")
+    p.add_argument("--context", type=float, default=None,
+                   help="context length for attention FLOPs (default: the steady-decode run's mean context)")
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--min-time", type=float, default=0.2, help="seconds per matmul trial")
+    p.add_argument("--decode-batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=96, help="prompt length of the steady-decode sequences")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--decode-warmup", type=int, default=4)
+    p.add_argument("--engine-page-size", type=int, default=32)
+    p.add_argument("--no-seed", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="only the matmul roofline")
+    p.add_argument("--from-throughput", help="JSON written by throughput.py --output: W1 as a fraction too")
+    p.add_argument("--w1", action="store_true",
+                   help="also the schedule-aware ideal for W1 (matmuls timed at 1..256 rows; about 30 s more)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = torch_dtype(args.dtype)
+
+    with LoadMonitor() as mon:
+        mm = measure_matmuls(args.tokens, dtype, args.min_time, args.trials)
+    mm.update(mon.summary())
+    report = dict(benchmark="roofline", dtype=args.dtype, threads=torch.get_num_threads(), tokens=args.tokens,
+                  env=environment(), matmul=mm)
+
+    decode = None
+    if not args.skip_engine:
+        model = build_model(args.dtype, seed=0)
+        report["params"] = count_params(model)
+        decode = steady_decode(model, args)
+        report["steady_decode"] = {k: v for k, v in decode.items() if k != "phases"}
+    context = args.context if args.context is not None else (
+        decode["timed"]["mean_context"] if decode else args.prompt_len + args.decode_steps)
+    fpt = flops_per_token(context)
+    rate = mm["gflops"] * 1e9
+    ceiling_linear = rate / fpt["linear"]
+    ceiling_total = rate / fpt["total"]
+    report.update(context=context, flops_per_token=fpt, ceiling_tok_s=ceiling_linear,
+                  ceiling_with_attention_tok_s=ceiling_total)
+    if decode:
+        report["engine_fraction"] = decode["timed"]["tok_s"] / ceiling_linear
+        report["engine_fraction_with_attention"] = decode["timed"]["tok_s"] / ceiling_total
+    if args.w1:
+        report["w1_bound"] = w1_bound(dtype, min(args.min_time, 0.1), min(args.trials, 3))
+    if args.from_throughput:
+        w1 = json.loads(Path(args.from_throughput).read_text())
+        bound = report.get("w1_bound", {}).get("ideal_tok_s")
+        report["w1"] = {r["system"]: dict(useful_tok_s=r["useful_tok_s"], fraction=r["useful_tok_s"] / ceiling_linear,
+                                          fraction_of_w1_bound=r["useful_tok_s"] / bound if bound else None)
+                        for r in w1["results"] if not r.get("failed")}
+
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"roofline  dtype={args.dtype}  threads={report['threads']}  torch {report['env']['torch']}  "
+          f"matmul rows={args.tokens}  (matmul timing: cpu util {mm['cpu_util']:.2f}, load {mm['load_mean']:.1f})")
+    rows = [[r["name"], r["shape"], r["count"], f"{1e3 * r['seconds']:.3f}", f"{r['gflops']:.1f}"]
+            for r in mm["shapes"]]
+    print(format_table(["layer", "x @ W^T", "per fwd", "ms", "GFLOP/s"], rows))
+    print(f"all linears of one forward at {args.tokens} tokens: {mm['forward_flops'] / 1e9:.2f} GFLOP in "
+          f"{1e3 * mm['forward_matmul_s']:.2f} ms = {mm['gflops']:.1f} GFLOP/s")
+    print(f"FLOPs/token: linear {fpt['linear'] / 1e6:.2f} M (2 x {fpt['linear'] // 2:,} weights incl. lm_head), "
+          f"attention {fpt['attention'] / 1e6:.2f} M at context {context:.0f}, total {fpt['total'] / 1e6:.2f} M")
+    print(f"CEILING: {ceiling_linear:,.0f} tokens/s (linear FLOPs at the measured rate); "
+          f"{ceiling_total:,.0f} tokens/s counting attention FLOPs at the same rate")
+    if decode:
+        d = decode["timed"]
+        print(f"\nour engine, steady decode: {args.decode_batch} sequences x {d['steps']} steps (prompt "
+              f"{args.prompt_len}, mean context {d['mean_context']:.0f}, all-decode steps: {d['all_decode']}, "
+              f"preemptions: {d['preemptions']}): "
+              f"{d['tok_s']:,.1f} tokens/s, {d['ms_per_step']:.1f} ms/step "
+              f"(cpu util {d['cpu_util']:.2f}, load {d['load_mean']:.1f}); prefill of the batch took "
+              f"{decode['prefill_s']:.1f}s")
+        print(f"ENGINE FRACTION OF CEILING: {report['engine_fraction']:.1%} "
+              f"({report['engine_fraction_with_attention']:.1%} of the attention-inclusive ceiling); target >= 50%")
+        print(f"\nsame steps with phase timers ({decode['with_timers']['tok_s']:,.1f} tokens/s, "
+              f"{decode['with_timers']['ms_per_step']:.1f} ms/step):")
+        print(decode["phases"])
+        ideal_ms = 1e3 * args.decode_batch / ceiling_linear
+        print(f"ideal step at the ceiling: {ideal_ms:.1f} ms for {args.decode_batch} tokens")
+    if "w1_bound" in report:
+        b = report["w1_bound"]
+        print(f"\nW1 schedule-aware ideal: {b['ideal_tok_s']:,.0f} useful tokens/s ({b['steps']} decode steps, "
+              f"{b['mean_rows']:.1f} rows/step on average: {b['decode_s']:.2f}s of matmuls; prefill of "
+              f"{b['unique_prompt_tokens']:,} unique prompt tokens: {b['prefill_s']:.2f}s); all-linears ms per step "
+              "at rows " + ", ".join(f"{r}: {t:.2f}" for r, t in zip(b["grid"], b["step_ms"], strict=True)))
+    if "w1" in report:
+        for system, r in report["w1"].items():
+            extra = (f", {r['fraction_of_w1_bound']:.1%} of the W1 schedule-aware ideal"
+                     if r.get("fraction_of_w1_bound") else "")
+            print(f"W1 end-to-end {system}: {r['useful_tok_s']:.1f} useful tokens/s = {r['fraction']:.1%} "
+                  f"of the ceiling{extra}")
+    load = max([mm["load_mean"]] + ([decode["timed"]["load_mean"]] if decode else []))
+    if load > (report["env"]["cpu_count"] or 1) + 0.5:
+        print(f"WARNING: load average {load:.1f} above the core count: other processes shared the cores; rerun")
+
+
+if __name__ == "__main__":
+    main()
