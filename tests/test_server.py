@@ -7,7 +7,6 @@ the wire format itself is under test (SSE framing, malformed JSON, a client that
 import argparse
 import copy
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from models import perturbed, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, WeightUpdateError, generate_batch
 from rollout.client import RolloutClient
 from rollout.server import build_parser_args, create_app, serve
+from server_utils import running_server
 from tokenizer_utils import tiny_tokenizer
 
 MODEL = "tiny"
@@ -42,25 +42,10 @@ def server():
     torch.set_num_threads(1)
     model, tokenizer = tiny_model("qwen3"), tiny_tokenizer()
     app = create_app(model, tokenizer, MODEL, _cb())
-    # A free port, held by us until uvicorn takes the socket over. proto=IPPROTO_TCP matters: asyncio only sets
-    # TCP_NODELAY on sockets that say so, and without it every small response waits ~40 ms (Nagle + delayed ACK).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(url=url, app=app, backend=app.state.backend, model=model, tokenizer=tokenizer,
-                          http=httpx.Client(base_url=url, timeout=30))
-    srv.should_exit = True
-    thread.join(15)
-    sock.close()
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, app=app, backend=app.state.backend, model=model, tokenizer=tokenizer,
+                              http=httpx.Client(base_url=url, timeout=30))
     torch.set_num_threads(threads)
-    assert not thread.is_alive(), "server did not shut down"
 
 
 @pytest.fixture(scope="module")

@@ -129,3 +129,32 @@ def test_unsupported_trl_version_fails_clearly(monkeypatch):
         importlib.reload(hook)
     monkeypatch.undo()
     importlib.reload(hook)
+
+
+def test_grpo_with_a_separate_rollout_server(tmp_path):
+    """Trainer and engine in separate places: TRL streams weights to `rollout serve` and generates there."""
+    import copy
+
+    pytest.importorskip("fastapi")
+    from rollout.client import RolloutClient
+    from rollout.server import create_app
+    from server_utils import running_server
+
+    model, tok = _policy()
+    app = create_app(copy.deepcopy(model), tok, "tiny", CB)
+    with running_server(app) as url:
+        trainer = RolloutGRPOTrainer(model=model, reward_funcs=reward_w7,
+                                     args=GRPOConfig(**{**_common(tmp_path), "max_steps": 2}),
+                                     train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
+                                     rollout_server=url)
+        assert trainer.rollout_generator is None
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+        assert len(logs) == 2 and max(h["sampling/sampling_logp_difference/max"] for h in logs) < 1e-4
+        trainer.vllm_generation.sync_weights()
+        with RolloutClient(url) as client:
+            assert client.weight_version() == 3
+            prompt = tok(PROMPTS[0])["input_ids"]
+            out = client.generate([prompt], temperature=0, max_tokens=8, min_tokens=8)[0]
+        ref, safe = greedy_reference(trainer.model.eval(), prompt, 8)
+        assert out["completion_ids"][:safe] == ref[:safe]

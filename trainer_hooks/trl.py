@@ -17,7 +17,7 @@ import torch
 from packaging.version import Version
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.rl.generator import RolloutBatch, RolloutGenerator
+from rollout.rl.generator import RolloutBatch, RolloutGenerator, RolloutSample
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.metrics import rollout_metrics
 from trainer_hooks.sync import unwrap
@@ -47,6 +47,9 @@ from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 # vLLM-style generation_kwargs TRL users write, mapped onto SamplingParams fields.
 _KWARG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "stop": "stop_strings"}
 _IGNORED_KWARGS = {"n", "logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens"}
+# SamplingParams fields a `rollout serve` process takes in a completion request (it applies the tokenizer's EOS).
+_REMOTE_FIELDS = {"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
+                  "min_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos"}
 
 
 class RolloutTRLGeneration(VLLMGeneration):
@@ -56,7 +59,8 @@ class RolloutTRLGeneration(VLLMGeneration):
     """
 
     def __init__(self, trainer, rollout_config: ContinuousBatchingConfig | None, share_weights: bool,
-                 dtype: torch.dtype | None, logprobs: str = "policy"):  # noqa: D107 - no super(): it starts vLLM
+                 dtype: torch.dtype | None, logprobs: str = "policy",
+                 server_url: str | None = None):  # noqa: D107 - no super(): it starts vLLM
         if logprobs not in ("policy", "sampled"):
             raise ValueError(f"rollout_logprobs must be 'policy' or 'sampled', got {logprobs!r}")
         self.trainer = trainer
@@ -71,14 +75,23 @@ class RolloutTRLGeneration(VLLMGeneration):
                              "weights are sharded. Use share_weights=False (the default).")
         if getattr(trainer, "_is_vlm", False):
             raise NotImplementedError("rollout's TRL hook does not support vision-language models yet")
-        base = unwrap(trainer.model)
-        if hasattr(base, "get_base_model") and not share_weights:
-            base = base.get_base_model()  # PEFT: generate from the base architecture, sync merged weights
-        config = rollout_config or ContinuousBatchingConfig()
-        self.generator = RolloutGenerator(base, tokenizer=getattr(trainer, "_tokenizer", None),
-                                          continuous_batching_config=config, share_weights=share_weights,
-                                          dtype=dtype, seed=trainer.args.seed + trainer.accelerator.process_index)
         self.share_weights = share_weights
+        self.client = None
+        self.generator = None
+        if server_url is not None:  # a `rollout serve` process owns the engine; we stream weights and prompts
+            from rollout.client import RolloutClient
+
+            if share_weights:
+                raise ValueError("share_weights=True needs the engine in this process; drop rollout_server")
+            self.client = RolloutClient(server_url)
+        else:
+            base = unwrap(trainer.model)
+            if hasattr(base, "get_base_model") and not share_weights:
+                base = base.get_base_model()  # PEFT: generate from the base architecture, sync merged weights
+            config = rollout_config or ContinuousBatchingConfig()
+            self.generator = RolloutGenerator(base, tokenizer=getattr(trainer, "_tokenizer", None),
+                                              continuous_batching_config=config, share_weights=share_weights,
+                                              dtype=dtype, seed=trainer.args.seed + trainer.accelerator.process_index)
         self.sampling_params = self._sampling_params(trainer)
         self.last_sync_seconds: float | None = None
         self.last_batch: RolloutBatch | None = None
@@ -104,7 +117,14 @@ class RolloutTRLGeneration(VLLMGeneration):
     # ---------------------------------------------------------------- contract
     def sync_weights(self) -> None:
         start = time.perf_counter()
-        if self.share_weights:
+        if self.client is not None:
+            # Gathering is collective: every process walks the parameters, the main one streams them.
+            if self.accelerator.is_main_process:
+                self.client.update_weights_from_model(self._iter_named_params())
+            else:
+                for _ in self._iter_named_params():
+                    pass
+        elif self.share_weights:
             self.generator.update_weights(self.generator.model)
         else:
             self.generator.update_weights(self._iter_named_params())
@@ -116,8 +136,7 @@ class RolloutTRLGeneration(VLLMGeneration):
         # TRL repeats each prompt for its group; generate each run of identical prompts as one n-sample group.
         runs = [(list(key), len(list(group))) for key, group in groupby(map(tuple, prompts))]
         with profiler if profiler is not None else _null():
-            batch = self.generator.generate([p for p, _ in runs], n=[k for _, k in runs],
-                                            sampling_params=self.sampling_params)
+            batch = self._generate_runs(runs)
         self.last_batch = batch
         self._record_metrics(batch)
         completion_ids = [s.completion_ids for s in batch.samples]
@@ -125,6 +144,27 @@ class RolloutTRLGeneration(VLLMGeneration):
         logprobs = [[[lp] for lp in getattr(s, chosen)] for s in batch.samples]
         token_ids = [[[t] for t in s.completion_ids] for s in batch.samples]
         return [s.prompt_ids for s in batch.samples], completion_ids, logprobs, token_ids
+
+    def _generate_runs(self, runs: list[tuple[list[int], int]]) -> RolloutBatch:
+        if self.client is None:
+            return self.generator.generate([p for p, _ in runs], n=[k for _, k in runs],
+                                           sampling_params=self.sampling_params)
+        start = time.perf_counter()
+        fields = {k: v for k, v in vars(self.sampling_params).items()
+                  if v is not None and k in _REMOTE_FIELDS}
+        samples = []
+        for size in sorted({k for _, k in runs}):  # one request per group size (usually just one)
+            prompts = [p for p, k in runs if k == size]
+            samples += [(prompts[s["prompt_index"]], s) for s in self.client.generate(prompts, n=size, **fields)]
+        order = {tuple(p): i for i, (p, _) in enumerate(runs)}
+        samples.sort(key=lambda item: order[tuple(item[0])])
+        batch = RolloutBatch([RolloutSample(**{**s, "prompt_index": order[tuple(p)]}) for p, s in samples],
+                             group_sizes=[k for _, k in runs])
+        seconds = time.perf_counter() - start
+        generated = sum(len(s.completion_ids) for s in batch.samples)
+        batch.stats = {"seconds": seconds, "generated_tokens": generated, "tokens_per_second": generated / seconds,
+                       "weight_version": max((v for s in batch.samples for v in s.weight_versions), default=0)}
+        return batch
 
     def _record_metrics(self, batch: RolloutBatch) -> None:
         mode = "train" if self.trainer.model.training else "eval"
@@ -143,9 +183,9 @@ class _null:
 class _RolloutMixin:
     """Shared constructor logic: build the trainer as TRL would without vLLM, then install our adapter."""
 
-    def _install_rollout(self, rollout_config, share_weights, rollout_dtype, rollout_logprobs):
+    def _install_rollout(self, rollout_config, share_weights, rollout_dtype, rollout_logprobs, rollout_server):
         self.vllm_generation = RolloutTRLGeneration(self, rollout_config, share_weights, rollout_dtype,
-                                                    rollout_logprobs)
+                                                    rollout_logprobs, rollout_server)
         self.use_vllm = True
         self.vllm_mode = "rollout"  # neither "server" nor "colocate": TRL's vLLM-specific branches stay off
         self._last_loaded_step = -1
@@ -165,21 +205,24 @@ class RolloutGRPOTrainer(_RolloutMixin, GRPOTrainer):
 
     Extra arguments: `rollout_config` (ContinuousBatchingConfig), `share_weights` (generate from the trained module
     itself, zero copy), `rollout_dtype` (dtype of the private generation copy), `rollout_logprobs` ("policy": feed
-    TRL's importance-sampling correction the full-vocabulary logprobs it recomputes, or "sampled").
+    TRL's importance-sampling correction the full-vocabulary logprobs it recomputes, or "sampled"), `rollout_server`
+    (URL of a `rollout serve` process: generate there and stream weights to it instead of running an engine here).
     """
 
     def __init__(self, *args, rollout_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
-                 rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy", **kwargs):
+                 rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy",
+                 rollout_server: str | None = None, **kwargs):
         self._check_args(kwargs.get("args"))
         super().__init__(*args, **kwargs)
-        self._install_rollout(rollout_config, share_weights, rollout_dtype, rollout_logprobs)
+        self._install_rollout(rollout_config, share_weights, rollout_dtype, rollout_logprobs, rollout_server)
 
 
 class RolloutRLOOTrainer(_RolloutMixin, RLOOTrainer):
     """TRL's RLOOTrainer with rollout's engine as generation backend (same extra arguments as RolloutGRPOTrainer)."""
 
     def __init__(self, *args, rollout_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
-                 rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy", **kwargs):
+                 rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy",
+                 rollout_server: str | None = None, **kwargs):
         self._check_args(kwargs.get("args"))
         super().__init__(*args, **kwargs)
-        self._install_rollout(rollout_config, share_weights, rollout_dtype, rollout_logprobs)
+        self._install_rollout(rollout_config, share_weights, rollout_dtype, rollout_logprobs, rollout_server)
