@@ -120,8 +120,7 @@ class LLMEngine:
             sample_sampling = sampling
             if sampling.seed is not None and i:
                 sample_sampling = dataclasses.replace(sampling, seed=derive_seed(sampling.seed, i))
-            req = Request(rid, prompt, sample_sampling, arrival=next(self._arrivals), streaming=streaming,
-                          sample_index=i)
+            req = Request(rid, prompt, sample_sampling, arrival=next(self._arrivals), streaming=streaming)
             self.requests[rid] = req
             group.append(req)
         group[0].followers = group[1:]  # one prefill for the group; the others fork off it (see _fork)

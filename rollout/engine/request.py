@@ -61,7 +61,7 @@ class Request:
         "request_id", "prompt_ids", "tokens", "sampling", "status", "block_table", "num_computed",
         "num_hashed_blocks", "block_hashes", "logprobs", "policy_logprobs", "kept_logmass", "weight_versions",
         "finish_reason", "error", "arrival", "created_time", "finished_time", "streaming", "followers",
-        "kv_version", "sample_index", "num_prefix_hit_tokens",
+        "kv_version", "num_prefix_hit_tokens",
     )
 
     def __init__(
@@ -71,7 +71,6 @@ class Request:
         sampling: ResolvedSampling,
         arrival: int = 0,
         streaming: bool = False,
-        sample_index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -94,7 +93,6 @@ class Request:
         self.streaming = streaming
         self.followers: list[Request] = []  # siblings of an n-sample group waiting to fork off this prefill
         self.kv_version = 0  # weight version the cached KV of this request was computed under
-        self.sample_index = sample_index  # index within its n-sample group (salts seeded sampling)
         self.num_prefix_hit_tokens = 0
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from rollout.engine.block_pool import BlockPool, NoFreeBlocksError, hash_chain
+from rollout.engine.block_pool import BlockPool, hash_chain
 from rollout.engine.request import Request, RequestStatus
 from rollout.engine.step import StepPlan
 
@@ -136,11 +136,7 @@ class Scheduler:
                     return
                 num = min(num, room)
                 needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
-            try:
-                request.block_table.extend(self.pool.allocate(max(needed, 0)))
-            except NoFreeBlocksError:  # pragma: no cover - guarded above
-                self.release(request)
-                return
+            request.block_table.extend(self.pool.allocate(max(needed, 0)))
             self.waiting.popleft()
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
