@@ -181,27 +181,7 @@ class _null:
 
 
 class _RolloutMixin:
-    """Shared constructor logic: build the trainer as TRL would without vLLM, then install our adapter."""
-
-    def _install_rollout(self, rollout_config, share_weights, rollout_dtype, rollout_logprobs, rollout_server):
-        self.vllm_generation = RolloutTRLGeneration(self, rollout_config, share_weights, rollout_dtype,
-                                                    rollout_logprobs, rollout_server)
-        self.use_vllm = True
-        self.vllm_mode = "rollout"  # neither "server" nor "colocate": TRL's vLLM-specific branches stay off
-        self._last_loaded_step = -1
-        self.rollout_generator = self.vllm_generation.generator
-
-    @staticmethod
-    def _check_args(args):
-        if args is not None and getattr(args, "use_vllm", False):
-            raise ValueError("RolloutGRPOTrainer/RolloutRLOOTrainer generate with rollout's engine: set use_vllm=False "
-                             "(the default) in the config")
-        if args is not None and getattr(args, "use_transformers_continuous_batching", False):
-            raise ValueError("use_transformers_continuous_batching conflicts with rollout's engine; leave it False")
-
-
-class RolloutGRPOTrainer(_RolloutMixin, GRPOTrainer):
-    """TRL's GRPOTrainer with rollout's engine as generation backend.
+    """Shared constructor: build the trainer as TRL would without vLLM, then install our generation adapter.
 
     Extra arguments: `rollout_config` (ContinuousBatchingConfig), `share_weights` (generate from the trained module
     itself, zero copy), `rollout_dtype` (dtype of the private generation copy), `rollout_logprobs` ("policy": feed
@@ -212,17 +192,24 @@ class RolloutGRPOTrainer(_RolloutMixin, GRPOTrainer):
     def __init__(self, *args, rollout_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
                  rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy",
                  rollout_server: str | None = None, **kwargs):
-        self._check_args(kwargs.get("args"))
+        config = kwargs.get("args")
+        if config is not None and getattr(config, "use_vllm", False):
+            raise ValueError("RolloutGRPOTrainer/RolloutRLOOTrainer generate with rollout's engine: set use_vllm=False "
+                             "(the default) in the config")
+        if config is not None and getattr(config, "use_transformers_continuous_batching", False):
+            raise ValueError("use_transformers_continuous_batching conflicts with rollout's engine; leave it False")
         super().__init__(*args, **kwargs)
-        self._install_rollout(rollout_config, share_weights, rollout_dtype, rollout_logprobs, rollout_server)
+        self.vllm_generation = RolloutTRLGeneration(self, rollout_config, share_weights, rollout_dtype,
+                                                    rollout_logprobs, rollout_server)
+        self.use_vllm = True
+        self.vllm_mode = "rollout"  # neither "server" nor "colocate": TRL's vLLM-specific branches stay off
+        self._last_loaded_step = -1
+        self.rollout_generator = self.vllm_generation.generator
+
+
+class RolloutGRPOTrainer(_RolloutMixin, GRPOTrainer):
+    """TRL's GRPOTrainer with rollout's engine as generation backend (extra arguments: see `_RolloutMixin`)."""
 
 
 class RolloutRLOOTrainer(_RolloutMixin, RLOOTrainer):
-    """TRL's RLOOTrainer with rollout's engine as generation backend (same extra arguments as RolloutGRPOTrainer)."""
-
-    def __init__(self, *args, rollout_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
-                 rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy",
-                 rollout_server: str | None = None, **kwargs):
-        self._check_args(kwargs.get("args"))
-        super().__init__(*args, **kwargs)
-        self._install_rollout(rollout_config, share_weights, rollout_dtype, rollout_logprobs, rollout_server)
+    """TRL's RLOOTrainer with rollout's engine as generation backend (extra arguments: see `_RolloutMixin`)."""
