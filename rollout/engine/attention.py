@@ -3,7 +3,8 @@
 The function is selected for the engine's forward only (see `engine_attention`), never left switched on the module:
 the same module may be trained between generation calls.
 
-CPU/SDPA path: decode rows (one query token each) are sorted by context length and attended in a few buckets, each
+CPU: by default one call of the C kernel in cpu_kernel.py per layer attends every token of the step straight from
+the pages (no gather). PyTorch path (no compiler, fp16, or `ROLLOUT_CPU_KERNEL=0`): decode rows (one query token each) are sorted by context length and attended in a few buckets, each
 against a gather of its rows' own KV blocks (whole pages are gathered with one `index_select`, far cheaper than a
 per-token gather); each prefill chunk is attended alone with a causal offset mask. The cost grows with each request's
 own context, never with a dense block-diagonal mask over the whole batch. On CUDA with flash-attn installed,
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
+from rollout.engine.cpu_kernel import KernelBatch, paged_attention
 from rollout.engine.flash_backend import FlashBatch, flash_paged_attention
 from rollout.engine.kv_cache import PagedKVCache
 
@@ -89,6 +91,7 @@ class AttentionBatch:
     decode: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
     flash: FlashBatch | None = None  # set when the flash-attn kernels serve this step (CUDA only)
+    kernel: KernelBatch | None = None  # set when the CPU kernel serves this step
     scratch: GatherScratch | None = None
 
 
@@ -156,6 +159,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         out = flash_paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.flash, cache.page_size,
                                     scaling, window, softcap)
         return out.unsqueeze(0), None
+    if batch.kernel is not None:
+        out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.kernel, cache.page_size, scaling,
+                              window, softcap)
+        return out.to(query.dtype).unsqueeze(0), None
 
     k_pages = k_cache.view(cache.num_blocks, cache.page_size, *k_cache.shape[1:])
     v_pages = v_cache.view(cache.num_blocks, cache.page_size, *v_cache.shape[1:])

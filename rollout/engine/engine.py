@@ -67,6 +67,8 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
+        # prompt -> the queued leader that identical prompts join (one prefill, then forks), while it has not started
+        self._open_groups: dict[tuple[int, ...], Request] = {}
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         self.counters = dict(steps=0, prompt_tokens=0, generated_tokens=0, prefill_tokens=0, decode_tokens=0,
@@ -123,10 +125,32 @@ class LLMEngine:
             req = Request(rid, prompt, sample_sampling, arrival=next(self._arrivals), streaming=streaming)
             self.requests[rid] = req
             group.append(req)
-        group[0].followers = group[1:]  # one prefill for the group; the others fork off it (see _fork)
-        self.scheduler.add(group[0])
+        leader = self._open_group(prompt)
+        if leader is not None:  # the same prompt is already queued: prefill it once for both (see _fork)
+            leader.followers.extend(group)
+        else:
+            group[0].followers = group[1:]  # one prefill for the group; the others fork off it (see _fork)
+            self.scheduler.add(group[0])
+            if self.config.allow_block_sharing:
+                self._open_groups[tuple(prompt)] = group[0]
         self.counters["prompt_tokens"] += len(prompt)
         return ids
+
+    def _open_group(self, prompt: list[int]) -> Request | None:
+        """The queued leader an identical prompt can join: still waiting, nothing computed or sampled yet."""
+        key = tuple(prompt)
+        leader = self._open_groups.get(key)
+        if leader is None:
+            return None
+        if leader.status == RequestStatus.PENDING and leader.num_computed == 0 and not leader.num_generated:
+            return leader
+        del self._open_groups[key]
+        return None
+
+    def _close_group(self, req: Request) -> None:
+        key = tuple(req.prompt_ids)
+        if self._open_groups.get(key) is req:
+            del self._open_groups[key]
 
     def _validate_prompt(self, prompt_ids) -> list[int]:
         if prompt_ids is None or len(prompt_ids) == 0:
@@ -156,6 +180,7 @@ class LLMEngine:
         if leader is not None:
             leader.followers.remove(req)
         else:
+            self._close_group(req)
             self._detach_followers(req)
             self.scheduler.finish(req)
         return self._finish(req, RequestStatus.CANCELLED, "cancelled")
@@ -176,11 +201,15 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         plan = self.scheduler.schedule()
         for req in plan.failed:
+            self._close_group(req)
             for member in [req] + req.followers:
                 outputs.append(self._finish(member, RequestStatus.FAILED, "error", req.error))
             req.followers = []
         if not plan.requests:
             return outputs
+        for req in plan.requests:
+            if req.num_computed == 0:  # starts now: later identical prompts queue a group of their own
+                self._close_group(req)
         self.counters["steps"] += 1
         self.counters["peak_used_blocks"] = max(self.counters["peak_used_blocks"], self.pool.num_used)
         try:
@@ -276,6 +305,7 @@ class LLMEngine:
             req.followers = []
             outputs.append(self._finish(req, RequestStatus.FAILED, "error", error))
         self.scheduler.waiting.clear()
+        self._open_groups.clear()
         return outputs
 
     # -------------------------------------------------------------------- stats

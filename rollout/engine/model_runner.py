@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout.engine.attention import AttentionBatch, DecodeBucket, GatherScratch, PrefillSegment, engine_attention
+from rollout.engine.cpu_kernel import KernelBatch, kernel_usable
 from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.step import StepPlan
@@ -51,6 +52,7 @@ class ModelRunner:
         self.device = cache.device
         self.page_size = cache.page_size
         self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
+        self.use_kernel = not self.use_flash and kernel_usable(cache.device, cache.dtype)
         self.scratch = GatherScratch()
 
     def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
@@ -73,6 +75,8 @@ class ModelRunner:
         batch = AttentionBatch(cache=self.cache, slots=slots.to(dev), scratch=self.scratch)
         if self.use_flash:
             batch.flash = build_flash_batch(tables, query_lens, ends, dev)
+        elif self.use_kernel:
+            batch.kernel = KernelBatch(positions, row_of_token, tables)
         else:
             self._add_sdpa_metadata(batch, tables, query_lens, ends, offsets)
 
