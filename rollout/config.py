@@ -53,6 +53,9 @@ class ContinuousBatchingConfig:
     cpu_group_timeout: float | None = 300.0
     max_queue_size: int = 0
     per_request_processors: bool = True
+    # CPU only: run fp32 linears on oneDNN-packed weight copies (faster at every batch size; costs one extra copy of
+    # the linear weights in RAM). None: on whenever the torch build has oneDNN.
+    prepack_weights: bool | None = None
     # Deprecated alias of page_size, kept so transformers-style code keeps working.
     block_size: int | None = field(default=None, repr=False)
 

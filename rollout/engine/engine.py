@@ -63,7 +63,7 @@ class LLMEngine:
             self.pool, page, self.config.resolve_batch_tokens(device),
             self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, self.config.prepack_weights)
         self.sampler = Sampler(self.config.seed)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -83,6 +83,7 @@ class LLMEngine:
     def set_weight_version(self, version: int, recompute: bool = False) -> None:
         """New weights are in place: key new prefix-cache entries by `version`; optionally recompute running KV."""
         self.scheduler.weight_version = version
+        self.runner.weights_changed()
         if recompute:
             self.scheduler.preempt_all()
 

@@ -12,6 +12,7 @@ from rollout.engine.attention import AttentionBatch, DecodeBucket, GatherScratch
 from rollout.engine.cpu_kernel import KernelBatch, kernel_usable
 from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.packed_linear import PackedLinears, packing_available
 from rollout.engine.step import StepPlan
 
 
@@ -46,7 +47,7 @@ def _length_buckets(rows: torch.Tensor, lens: torch.Tensor) -> list[torch.Tensor
 class ModelRunner:
     """Owns nothing but the forward: the model is whatever module it was given (possibly the trainer's own)."""
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, prepack_weights: bool | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -54,6 +55,17 @@ class ModelRunner:
         self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
         self.use_kernel = not self.use_flash and kernel_usable(cache.device, cache.dtype)
         self.scratch = GatherScratch()
+        if prepack_weights is None:
+            prepack_weights = cache.device.type == "cpu" and packing_available()
+        elif prepack_weights and not packing_available():
+            raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
+                             "leave it None to use packing only where it is available")
+        self.linears = PackedLinears() if prepack_weights else contextlib.nullcontext()
+
+    def weights_changed(self) -> None:
+        """New weights are in place: drop packed copies (writes through `.data` do not bump version counters)."""
+        if isinstance(self.linears, PackedLinears):
+            self.linears.clear()
 
     def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
         """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
@@ -112,6 +124,6 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """fp32 logits `[len(plan.sample_rows), vocab]` at the last token of every sampling entry."""
         inputs, keep = self.build_batch(plan)
-        with engine_attention(self.model), eval_mode(self.model):
+        with engine_attention(self.model), eval_mode(self.model), self.linears:
             out = self.model(**inputs, logits_to_keep=keep, use_cache=False)
         return out.logits[0].float()
