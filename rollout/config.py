@@ -53,6 +53,9 @@ class ContinuousBatchingConfig:
     cpu_group_timeout: float | None = 300.0
     max_queue_size: int = 0
     per_request_processors: bool = True
+    # CPU only: attend with the C kernel (rollout/engine/csrc, built with the system compiler at first use) instead of
+    # page gathers + SDPA. None: the kernel when it builds (fp32/bf16 caches), else the PyTorch path.
+    cpu_attention_kernel: bool | None = None
     # CPU only: run fp32 linears on oneDNN-packed weight copies (faster at every batch size; costs one extra copy of
     # the linear weights in RAM). None: on whenever the torch build has oneDNN.
     prepack_weights: bool | None = None

@@ -49,6 +49,10 @@ CONFIGS = {
     "page4-no-sharing-prefill-first": dict(page_size=4, allow_block_sharing=False, scheduler_type="prefill_first"),
     "page16-tiny-cache-preempts": dict(page_size=16, num_blocks=12, max_batch_tokens=64),
     "page4-prefill-first-chunked": dict(page_size=4, max_batch_tokens=8, scheduler_type="prefill_first"),
+    # the PyTorch attention path (page gathers + SDPA) and plain F.linear, as on a machine without a C compiler
+    "page4-chunked-torch-path": dict(page_size=4, max_batch_tokens=16, cpu_attention_kernel=False,
+                                     prepack_weights=False),
+    "page16-tiny-cache-torch-path": dict(page_size=16, num_blocks=12, max_batch_tokens=64, cpu_attention_kernel=False),
 }
 
 
@@ -82,3 +86,14 @@ def test_module_attention_implementation_is_restored(qwen3):
     before = qwen3.config._attn_implementation
     generate_batch(qwen3, [[1, 2, 3]], GenerationConfig(max_new_tokens=3, do_sample=False), progress_bar=False)
     assert qwen3.config._attn_implementation == before
+
+
+def test_configs_take_the_attention_path_they_name():
+    from rollout.engine.cpu_kernel import load_kernel
+    from rollout.engine.engine import LLMEngine
+
+    model = tiny_model("qwen3")
+    for name, kwargs in CONFIGS.items():
+        runner = LLMEngine(model, None, ContinuousBatchingConfig(**kwargs)).runner
+        expect = load_kernel() is not None and kwargs.get("cpu_attention_kernel") is not False
+        assert runner.use_kernel == expect, name

@@ -63,7 +63,7 @@ class LLMEngine:
             self.pool, page, self.config.resolve_batch_tokens(device),
             self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin)
-        self.runner = ModelRunner(model, self.cache, self.config.prepack_weights)
+        self.runner = ModelRunner(model, self.cache, self.config.prepack_weights, self.config.cpu_attention_kernel)
         self.sampler = Sampler(self.config.seed)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -148,10 +148,13 @@ class LLMEngine:
         del self._open_groups[key]
         return None
 
-    def _close_group(self, req: Request) -> None:
+    def _close_group(self, req: Request) -> bool:
+        """Stop identical prompts from joining `req`; True if they could until now."""
         key = tuple(req.prompt_ids)
         if self._open_groups.get(key) is req:
             del self._open_groups[key]
+            return True
+        return False
 
     def _validate_prompt(self, prompt_ids) -> list[int]:
         if prompt_ids is None or len(prompt_ids) == 0:
@@ -181,17 +184,21 @@ class LLMEngine:
         if leader is not None:
             leader.followers.remove(req)
         else:
-            self._close_group(req)
-            self._detach_followers(req)
+            was_open = self._close_group(req)
+            heir = self._detach_followers(req)
+            if was_open and heir is not None:  # identical prompts arriving later still join the group
+                self._open_groups[tuple(heir.prompt_ids)] = heir
             self.scheduler.finish(req)
         return self._finish(req, RequestStatus.CANCELLED, "cancelled")
 
-    def _detach_followers(self, req: Request) -> None:
+    def _detach_followers(self, req: Request) -> Request | None:
         """A leader leaves before forking: its first follower takes over the group's place in the queue."""
-        if req.followers:
-            heir, heir.followers = req.followers[0], req.followers[1:]
-            req.followers = []
-            self.scheduler.waiting.appendleft(heir)
+        if not req.followers:
+            return None
+        heir, heir.followers = req.followers[0], req.followers[1:]
+        req.followers = []
+        self.scheduler.waiting.appendleft(heir)
+        return heir
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.has_work() or self._pending_outputs)

@@ -47,13 +47,19 @@ def _length_buckets(rows: torch.Tensor, lens: torch.Tensor) -> list[torch.Tensor
 class ModelRunner:
     """Owns nothing but the forward: the model is whatever module it was given (possibly the trainer's own)."""
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, prepack_weights: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, prepack_weights: bool | None = None,
+                 attention_kernel: bool | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.page_size = cache.page_size
         self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
-        self.use_kernel = not self.use_flash and kernel_usable(cache.device, cache.dtype)
+        self.use_kernel = attention_kernel is not False and not self.use_flash \
+            and kernel_usable(cache.device, cache.dtype)
+        if attention_kernel and not self.use_kernel:
+            raise ValueError(f"cpu_attention_kernel=True but the CPU attention kernel cannot serve this cache "
+                             f"({cache.device}, {cache.dtype}): it needs a CPU fp32/bf16 cache and a C compiler with "
+                             f"OpenMP (see the log for the build error); leave it None to fall back automatically")
         self.scratch = GatherScratch()
         if prepack_weights is None:
             prepack_weights = cache.device.type == "cpu" and packing_available()

@@ -1,0 +1,131 @@
+"""The C paged-attention kernel equals dense attention computed in float64, for every shape the engine hands it, and
+the engine falls back to the PyTorch path (or says why it cannot) when the kernel is unavailable."""
+
+import logging
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from models import greedy_reference, random_prompts, tiny_model
+from rollout import ContinuousBatchingConfig, LLMEngine
+from rollout.engine import cpu_kernel
+from rollout.engine.cpu_kernel import KernelBatch, load_kernel, paged_attention
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler with OpenMP on this machine")
+
+
+def _dense_reference(q, k_cache, v_cache, positions, token_rows, tables, page, scale, window, softcap):
+    """Per token: gather its keys slot by slot, attend in float64."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        n = int(positions[t]) + 1
+        slots = torch.tensor([int(tables[token_rows[t], p // page]) * page + p % page for p in range(n)])
+        k = k_cache[slots].double().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [H, n, D]
+        v = v_cache[slots].double().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        scores = torch.einsum("hd,hnd->hn", q[t].double(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if window is not None:
+            scores[:, :max(0, n - window)] = float("-inf")
+        out[t] = torch.einsum("hn,hnd->hd", scores.softmax(-1), v)
+    return out
+
+
+def _step_like_batch(page, num_blocks, seed):
+    """A packed step: a prefill chunk in the middle of its prompt, a whole short prompt, and decode rows (two of them
+    sharing their first blocks, as forked samples do)."""
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.randperm(num_blocks, generator=g)[:4 * 12].view(4, 12)
+    tables[3, :2] = tables[2, :2]
+    rows = [(0, list(range(page + 3, 3 * page + 1))), (1, list(range(5))), (2, [2 * page + 7]), (3, [page * 5]),
+            (1, [5 * page - 1])]
+    token_rows = torch.tensor([r for r, positions in rows for _ in positions])
+    positions = torch.tensor([p for _, ps in rows for p in ps])
+    return KernelBatch(positions, token_rows, tables)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 128), (6, 3, 24)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 20.0)])
+@pytest.mark.parametrize("page", [4, 16])
+def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, head_dim, window, softcap, page):
+    torch.manual_seed(0)
+    num_blocks = 64
+    batch = _step_like_batch(page, num_blocks, seed=page + head_dim)
+    k_cache = torch.randn(num_blocks * page, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks * page, kv_heads, head_dim).to(dtype)
+    # the engine passes a transposed view of transformers' [H, T, D] query: strided, not contiguous
+    q = torch.randn(heads, len(batch.positions), head_dim).to(dtype).transpose(0, 1)
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, batch, page, scale, window, softcap)
+    ref = _dense_reference(q, k_cache, v_cache, batch.positions, batch.token_rows, batch.tables, page, scale, window,
+                           softcap)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+def test_kernel_uses_every_thread_setting_alike():
+    """Work is split across OpenMP threads by (token, kv head): the result cannot depend on the thread count."""
+    batch = _step_like_batch(16, 64, seed=3)
+    k_cache, v_cache = torch.randn(64 * 16, 2, 64), torch.randn(64 * 16, 2, 64)
+    q = torch.randn(len(batch.positions), 8, 64)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(paged_attention(q, k_cache, v_cache, batch, 16, 0.125, None, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.fixture
+def no_kernel(monkeypatch, tmp_path):
+    """A machine whose compiler fails: the kernel cannot be built."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv(cpu_kernel.ENV_CACHE_DIR, str(tmp_path))
+    load_kernel.cache_clear()
+    yield
+    monkeypatch.undo()
+    load_kernel.cache_clear()
+
+
+def test_engine_falls_back_when_the_kernel_cannot_build(no_kernel, caplog):
+    model = tiny_model("qwen3")
+    prompt = random_prompts([20], seed=4)[0]
+    with caplog.at_level(logging.WARNING, logger="rollout.engine.cpu_kernel"):
+        engine = LLMEngine(model, GenerationConfig(max_new_tokens=12, do_sample=False),
+                           ContinuousBatchingConfig(page_size=8))
+    assert not engine.runner.use_kernel
+    assert "PyTorch path" in caplog.text
+    engine.add_request(prompt)
+    while engine.has_unfinished():
+        outs = engine.step()
+    ref, safe = greedy_reference(model, prompt, 12)
+    assert outs[0].generated_tokens[:safe] == ref[:safe]
+    with pytest.raises(ValueError, match="cpu_attention_kernel=True"):
+        LLMEngine(model, None, ContinuousBatchingConfig(page_size=8, cpu_attention_kernel=True))
+
+
+def test_kernel_is_built_into_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_kernel.ENV_CACHE_DIR, str(tmp_path))
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel() is not None
+        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+        monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
+        load_kernel.cache_clear()
+        assert load_kernel() is None
+        assert not LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8)).runner.use_kernel
+    finally:
+        monkeypatch.undo()
+        load_kernel.cache_clear()
+
+
+def test_fp16_cache_uses_the_pytorch_path():
+    model = tiny_model("qwen3").to(torch.float16)
+    engine = LLMEngine(model, None, ContinuousBatchingConfig(page_size=8))
+    assert not engine.runner.use_kernel

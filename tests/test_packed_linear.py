@@ -1,0 +1,82 @@
+"""The engine's oneDNN-packed linear weights never go stale: in-place training of a shared module and weight updates
+through the engine both reach the next forward."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from models import greedy_reference, random_prompts, tiny_model
+from rollout import ContinuousBatchingConfig, LLMEngine
+from rollout.engine import model_runner
+from rollout.engine.packed_linear import PackedLinears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+NEW = 10
+
+
+def _greedy(engine, prompt):
+    engine.add_request(prompt)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.is_finished()]
+    return outs[0].generated_tokens
+
+
+def _assert_follows(engine, model, prompt):
+    ref, safe = greedy_reference(model, prompt, NEW)
+    assert safe >= NEW // 2
+    assert _greedy(engine, prompt)[:safe] == ref[:safe]
+
+
+def _engine(model):
+    return LLMEngine(model, GenerationConfig(max_new_tokens=NEW, do_sample=False),
+                     ContinuousBatchingConfig(page_size=8, allow_block_sharing=False))
+
+
+def test_an_optimizer_step_on_a_shared_module_is_seen():
+    model = tiny_model("qwen3")
+    prompt = random_prompts([15], seed=2)[0]
+    engine = _engine(model)
+    assert isinstance(engine.runner.linears, PackedLinears)
+    before = _greedy(engine, prompt)
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    model.train()
+    model(torch.tensor([prompt]), labels=torch.tensor([prompt])).loss.backward()
+    opt.step()  # in place, no engine call: only the version counters say the weights changed
+    model.eval()
+    _assert_follows(engine, model, prompt)
+    assert _greedy(engine, prompt) != before, "the update must be large enough to change the greedy tokens"
+
+
+def test_a_write_through_data_and_a_version_bump_is_seen():
+    model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=5)
+    prompt = random_prompts([15], seed=3)[0]
+    engine = _engine(model)
+    _assert_follows(engine, model, prompt)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.data.copy_(q)  # bumps no version counter
+    engine.set_weight_version(1)
+    _assert_follows(engine, other, prompt)
+
+
+def test_only_cpu_fp32_weights_are_packed():
+    model = tiny_model("qwen3").to(torch.bfloat16)
+    engine = _engine(model)
+    assert len(_greedy(engine, random_prompts([9], seed=4)[0])) == NEW
+    assert not engine.runner.linears._packs
+    fp32 = _engine(tiny_model("qwen3"))
+    _greedy(fp32, random_prompts([9], seed=4)[0])
+    linears = [m for m in fp32.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(fp32.runner.linears._packs) == len(linears)
+    fp32.runner.weights_changed()
+    assert not fp32.runner.linears._packs
+
+
+def test_asking_for_packing_without_onednn_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(model_runner, "packing_available", lambda: False)
+    with pytest.raises(ValueError, match="prepack_weights=True needs a torch build with oneDNN"):
+        LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8, prepack_weights=True))
+    engine = LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8))
+    assert not isinstance(engine.runner.linears, PackedLinears)

@@ -1,0 +1,77 @@
+"""Identical prompts submitted as separate requests (TRL's repeated prompts, per-sample budgets) are prefilled once:
+later ones join the first while it is still queued, keep their own settings, and give what separate runs give."""
+
+from transformers import GenerationConfig
+
+from models import greedy_reference, random_prompts
+from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
+
+
+def _drain(engine):
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.is_finished():
+                outs[out.request_id] = out
+        engine.check_invariants()
+    return outs
+
+
+def _engine(model, **config):
+    return LLMEngine(model, GenerationConfig(do_sample=False), ContinuousBatchingConfig(page_size=8, num_blocks=96,
+                                                                                        **config))
+
+
+def test_identical_prompts_prefill_once_with_their_own_settings(qwen3):
+    prompt, other = random_prompts([21, 13], seed=7)
+    engine = _engine(qwen3)
+    budgets = [5, 9, 3, 12]
+    ids = [engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=b))[0] for b in budgets]
+    ids.append(engine.add_request(other, sampling_params=SamplingParams(max_new_tokens=4))[0])
+    # a sampled member among greedy ones: its own temperature and seed apply from its first token
+    ids.append(engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                                         seed=11))[0])
+    outs = _drain(engine)
+    stats = engine.stats()
+    assert stats["prefill_tokens"] == len(prompt) + len(other), "each distinct prompt is computed once"
+    assert stats["free_blocks"] == stats["num_blocks"]
+    ref, safe = greedy_reference(qwen3, prompt, max(budgets))
+    for rid, budget in zip(ids, budgets):
+        tokens = outs[rid].generated_tokens
+        assert len(tokens) == budget and tokens[:min(safe, budget)] == ref[:min(safe, budget)]
+    assert len(outs[ids[-1]].generated_tokens) == 6
+
+    alone = _engine(qwen3)
+    alone.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6, temperature=1.0, seed=11))
+    assert next(iter(_drain(alone).values())).generated_tokens == outs[ids[-1]].generated_tokens
+
+
+def test_no_joining_once_the_first_has_started_or_without_sharing(qwen3):
+    prompt = random_prompts([19], seed=8)[0]
+    engine = _engine(qwen3)
+    engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6))
+    engine.step()  # the first copy is prefilled: a later identical prompt queues on its own (prefix-cache hits only)
+    engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6))
+    outs = _drain(engine)
+    assert len(outs) == 2 and len({tuple(o.generated_tokens) for o in outs.values()}) == 1
+    assert engine.stats()["prefill_tokens"] == len(prompt) + len(prompt) % 8  # the partial block is recomputed
+
+    no_sharing = _engine(qwen3, allow_block_sharing=False)
+    for _ in range(3):
+        no_sharing.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=4))
+    _drain(no_sharing)
+    assert no_sharing.stats()["prefill_tokens"] == 3 * len(prompt)
+
+
+def test_cancelling_the_first_hands_the_group_to_the_next(qwen3):
+    prompt = random_prompts([17], seed=9)[0]
+    engine = _engine(qwen3)
+    first, second, third = (engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=5))[0]
+                            for _ in range(3))
+    assert engine.cancel(first).finish_reason == "cancelled"
+    fourth = engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=5))[0]
+    outs = _drain(engine)
+    assert sorted(outs) == sorted([second, third, fourth])
+    assert len({tuple(o.generated_tokens) for o in outs.values()}) == 1
+    assert engine.stats()["prefill_tokens"] == len(prompt), "the fourth joined the group the second took over"
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
