@@ -55,39 +55,45 @@ static inline void axpy(float *y, float a, const float *x, int64_t d) {
     for (int64_t i = 0; i < d; i++) y[i] += a * x[i];
 }
 
-/* Attention of query heads [kv_head * G, (kv_head + 1) * G) of token t. `scores` holds G * (position + 1) floats,
- * `qf` and `acc` G * D, `tmp` D. */
-static inline __attribute__((always_inline)) void attend(const void *q, void *out, const void *k_cache, const void *v_cache, const int64_t *table,
-                   int64_t q_offset, int64_t q_head_stride, int64_t t, int64_t kv_head, int64_t position, int64_t num_heads, int64_t num_kv_heads, int64_t d,
-                   int64_t page, float scale, int64_t window, float softcap, int dtype, float *scores, float *qf,
-                   float *acc, float *tmp) {
+/* Attention of token t for the query heads of kv heads [kv_first, kv_first + kv_count) (G query heads each). Keys
+ * and values are walked position by position across those kv heads, so a whole-token item streams each page front to
+ * back. Scratch: `scores` kv_count * G * (position + 1) floats, `qf` and `acc` kv_count * G * D, `tmp` D. */
+static inline __attribute__((always_inline)) void attend(
+    const void *q, int64_t q_offset, int64_t q_head_stride, void *out, const void *k_cache, const void *v_cache,
+    const int64_t *table, int64_t t, int64_t kv_first, int64_t kv_count, int64_t position, int64_t num_heads,
+    int64_t num_kv_heads, int64_t d, int64_t page, float scale, int64_t window, float softcap, int dtype,
+    float *scores, float *qf, float *acc, float *tmp) {
     const int64_t g_heads = num_heads / num_kv_heads;
-    const int64_t first_head = kv_head * g_heads;
+    const int64_t heads = kv_count * g_heads; /* query heads served here, from kv_first * g_heads on */
+    const int64_t first_head = kv_first * g_heads;
     const int64_t end = position + 1;
     const int64_t begin = (window > 0 && end > window) ? end - window : 0;
     const int64_t n = end - begin;
 
-    for (int64_t g = 0; g < g_heads; g++) {
-        const float *src = row_f32(q, q_offset + (first_head + g) * q_head_stride, d, dtype, tmp);
-        for (int64_t i = 0; i < d; i++) qf[g * d + i] = src[i] * (softcap > 0.f ? 1.f : scale);
+    for (int64_t h = 0; h < heads; h++) {
+        const float *src = row_f32(q, q_offset + (first_head + h) * q_head_stride, d, dtype, tmp);
+        for (int64_t i = 0; i < d; i++) qf[h * d + i] = src[i] * (softcap > 0.f ? 1.f : scale);
     }
-    /* scores: walk the row's pages, one key head (d values) per position */
+    /* scores: walk the row's pages */
     for (int64_t pos = begin; pos < end;) {
         const int64_t base = table[pos / page] * page - pos / page * page; /* slot = base + pos on this page */
         const int64_t stop = (pos / page + 1) * page < end ? (pos / page + 1) * page : end;
         for (; pos < stop; pos++) {
-            const float *k = row_f32(k_cache, ((base + pos) * num_kv_heads + kv_head) * d, d, dtype, tmp);
-            for (int64_t g = 0; g < g_heads; g++) {
-                float score = dot(qf + g * d, k, d);
-                if (softcap > 0.f) score = softcap * tanhf(score * scale / softcap);
-                scores[g * n + (pos - begin)] = score;
+            for (int64_t kv = 0; kv < kv_count; kv++) {
+                const float *k = row_f32(k_cache, ((base + pos) * num_kv_heads + kv_first + kv) * d, d, dtype, tmp);
+                for (int64_t g = 0; g < g_heads; g++) {
+                    const int64_t h = kv * g_heads + g;
+                    float score = dot(qf + h * d, k, d);
+                    if (softcap > 0.f) score = softcap * tanhf(score * scale / softcap);
+                    scores[h * n + (pos - begin)] = score;
+                }
             }
         }
     }
-    /* softmax per head */
-    float sums[g_heads];
-    for (int64_t g = 0; g < g_heads; g++) {
-        float *s = scores + g * n;
+    /* softmax per head; the normaliser is applied at the end */
+    float sums[heads];
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * n;
         float m = s[0];
         for (int64_t i = 1; i < n; i++) m = s[i] > m ? s[i] : m;
         float total = 0.f;
@@ -96,27 +102,32 @@ static inline __attribute__((always_inline)) void attend(const void *q, void *ou
             s[i] = expf(s[i] - m);
             total += s[i];
         }
-        sums[g] = total;
+        sums[h] = total;
     }
     /* weighted values */
-    memset(acc, 0, sizeof(float) * g_heads * d);
+    memset(acc, 0, sizeof(float) * heads * d);
     for (int64_t pos = begin; pos < end;) {
         const int64_t base = table[pos / page] * page - pos / page * page;
         const int64_t stop = (pos / page + 1) * page < end ? (pos / page + 1) * page : end;
         for (; pos < stop; pos++) {
-            const float *v = row_f32(v_cache, ((base + pos) * num_kv_heads + kv_head) * d, d, dtype, tmp);
-            for (int64_t g = 0; g < g_heads; g++) axpy(acc + g * d, scores[g * n + (pos - begin)], v, d);
+            for (int64_t kv = 0; kv < kv_count; kv++) {
+                const float *v = row_f32(v_cache, ((base + pos) * num_kv_heads + kv_first + kv) * d, d, dtype, tmp);
+                for (int64_t g = 0; g < g_heads; g++) {
+                    const int64_t h = kv * g_heads + g;
+                    axpy(acc + h * d, scores[h * n + (pos - begin)], v, d);
+                }
+            }
         }
     }
-    for (int64_t g = 0; g < g_heads; g++) {
-        const float inv = 1.f / sums[g];
-        const int64_t o = (t * num_heads + first_head + g) * d;
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = 1.f / sums[h];
+        const int64_t o = (t * num_heads + first_head + h) * d;
         if (dtype == DTYPE_F32) {
             float *dst = (float *)out + o;
-            for (int64_t i = 0; i < d; i++) dst[i] = acc[g * d + i] * inv;
+            for (int64_t i = 0; i < d; i++) dst[i] = acc[h * d + i] * inv;
         } else {
             uint16_t *dst = (uint16_t *)out + o;
-            for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[g * d + i] * inv);
+            for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[h * d + i] * inv);
         }
     }
 }
@@ -130,28 +141,31 @@ int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
                             int dtype, int num_threads) {
     int64_t longest = 1;
     for (int64_t t = 0; t < num_tokens; t++) longest = positions[t] + 1 > longest ? positions[t] + 1 : longest;
-    const int64_t g_heads = num_heads / num_kv_heads;
-    const int64_t items = num_tokens * num_kv_heads;
+    /* One item per token (all its kv heads: pages are read front to back) when there are enough tokens to keep every
+     * thread busy; otherwise one item per (token, kv head). */
+    const int64_t kv_per_item = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t items_per_token = num_kv_heads / kv_per_item;
+    const int64_t items = num_tokens * items_per_token;
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * g_heads * longest);
-        float *qf = malloc(sizeof(float) * g_heads * head_dim);
-        float *acc = malloc(sizeof(float) * g_heads * head_dim);
+        float *scores = malloc(sizeof(float) * num_heads * longest);
+        float *qf = malloc(sizeof(float) * num_heads * head_dim);
+        float *acc = malloc(sizeof(float) * num_heads * head_dim);
         float *tmp = malloc(sizeof(float) * head_dim);
         if (!scores || !qf || !acc || !tmp) failed = 1;
         /* every thread takes part in the loop (a worksharing construct must be met by all of them) */
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 2)
         for (int64_t item = 0; item < items; item++) {
             if (failed) continue;
-            const int64_t t = item / num_kv_heads;
+            const int64_t t = item / items_per_token;
+            const int64_t kv_first = (item % items_per_token) * kv_per_item;
             const int64_t *table = tables + token_rows[t] * max_blocks;
-            const int64_t kv_head = item % num_kv_heads, q_offset = t * q_token_stride;
             /* a constant head_dim lets the compiler unroll the dot products and axpys completely */
 #define ATTEND(D)                                                                                                 \
-    attend(q, out, k_cache, v_cache, table, q_offset, q_head_stride, t, kv_head, positions[t], num_heads,          \
-           num_kv_heads, D, page_size, scale, window, softcap, dtype, scores, qf, acc, tmp)
+    attend(q, t * q_token_stride, q_head_stride, out, k_cache, v_cache, table, t, kv_first, kv_per_item,           \
+           positions[t], num_heads, num_kv_heads, D, page_size, scale, window, softcap, dtype, scores, qf, acc, tmp)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)
