@@ -4,9 +4,10 @@ Each layer keeps K and V as `[num_blocks * page_size, num_kv_heads, head_dim]`, 
 integer, its slot: `block * page_size + offset`. Writes are one `index_copy_` per layer and reads one gather, whatever
 the batch looks like.
 
-The storage is allocated once but left untouched: a block is zeroed the first time a step uses it (attention reads
-whole pages, and masked-out slots must hold finite values). Memory the OS has not mapped yet costs nothing, so the
-process only grows with the blocks the workload really reaches.
+The storage is allocated once but left untouched. The CPU kernel and flash-attn read only slots that hold a token's
+K/V; the PyTorch path reads whole pages, so there a block is zeroed the first time a step uses it (masked-out slots
+must hold finite values). Memory the OS has not mapped yet costs nothing, so the process only grows with the blocks
+the workload really reaches.
 """
 
 from __future__ import annotations

@@ -84,11 +84,10 @@ class ModelRunner:
         positions = torch.arange(plan.num_tokens) - offsets[row_of_token] + starts[row_of_token]
 
         max_blocks = max(len(t) for t in plan.block_tables)
-        tables = torch.zeros(len(plan), max_blocks, dtype=torch.long)
-        for i, table in enumerate(plan.block_tables):
-            tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.long)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in plan.block_tables], dtype=torch.long)
         slots = tables[row_of_token, positions // page] * page + positions % page
-        self.cache.prepare(tables.flatten())
+        if not (self.use_kernel or self.use_flash):  # only page gathers read slots no token has written yet
+            self.cache.prepare(tables.flatten())
 
         batch = AttentionBatch(cache=self.cache, slots=slots.to(dev), scratch=self.scratch)
         if self.use_flash:
