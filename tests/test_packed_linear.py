@@ -80,3 +80,27 @@ def test_asking_for_packing_without_onednn_is_a_clear_error(monkeypatch):
         LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8, prepack_weights=True))
     engine = LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8))
     assert not isinstance(engine.runner.linears, PackedLinears)
+
+
+def test_the_override_is_scoped_to_the_engine_thread_and_removed_after():
+    """While the engine's forward runs, a trainer thread using the same module keeps F.linear and its gradients."""
+    import threading
+
+    model = tiny_model("qwen3")
+    engine = _engine(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ids = torch.tensor([random_prompts([6], seed=5)[0]])
+    grads = {}
+
+    def train_step():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads["ok"] = all(m.weight.grad is not None for m in linears)
+
+    with engine.runner.linears:
+        assert all("forward" in m.__dict__ for m in linears)
+        worker = threading.Thread(target=train_step)
+        worker.start()
+        worker.join()
+    assert grads["ok"]
+    assert not any("forward" in m.__dict__ for m in linears), "the model must be left exactly as it was"

@@ -66,7 +66,7 @@ class ModelRunner:
         elif prepack_weights and not packing_available():
             raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
                              "leave it None to use packing only where it is available")
-        self.linears = PackedLinears() if prepack_weights else contextlib.nullcontext()
+        self.linears = PackedLinears(model) if prepack_weights else contextlib.nullcontext()
 
     def weights_changed(self) -> None:
         """New weights are in place: drop packed copies (writes through `.data` do not bump version counters)."""
