@@ -27,6 +27,17 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
+# oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels); rows are padded up to a bucket so a
+# long run sees at most ~20 shapes. Above PACKED_MAX_ROWS (prefill-sized steps, compute-bound) F.linear does as well.
+PACKED_MAX_ROWS = 256
+ROW_BUCKET = 16
+
+
+def padded_rows(rows: int) -> int:
+    """The bucket a row count is padded to: a power of two up to ROW_BUCKET, then a multiple of ROW_BUCKET."""
+    if rows <= ROW_BUCKET:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,11 +82,20 @@ class PackedLinears:
         self._overrides = None
 
     def _override(self, module: torch.nn.Linear):
+        this = weakref.proxy(self)  # no reference cycle: a dropped engine frees its packed copies at once
+
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
-            if getattr(self._active, "on", False) and x.dtype == torch.float32 and weight.dtype == torch.float32 \
-                    and weight.device.type == "cpu" and weight.layout == torch.strided:
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight), module.bias, "none", [], "")
+            rows = x.numel() // x.shape[-1] if x.numel() else 0
+            if getattr(this._active, "on", False) and 0 < rows <= PACKED_MAX_ROWS and x.dtype == torch.float32 \
+                    and weight.dtype == torch.float32 and weight.device.type == "cpu" \
+                    and weight.layout == torch.strided:
+                flat = x.reshape(rows, x.shape[-1])
+                padded = padded_rows(rows)
+                if padded != rows:
+                    flat = F.pad(flat, (0, 0, 0, padded - rows))
+                out = torch.ops.mkldnn._linear_pointwise(flat, this._packed(weight), module.bias, "none", [], "")
+                return out[:rows].view(*x.shape[:-1], out.shape[-1])
             return F.linear(x, weight, module.bias)
         return forward
 
