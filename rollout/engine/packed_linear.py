@@ -27,8 +27,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
-# oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels); rows are padded up to a bucket so a
-# long run sees at most ~20 shapes. Above PACKED_MAX_ROWS (prefill-sized steps, compute-bound) F.linear does as well.
+# oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to one of ~20
+# buckets, and larger inputs (prefill) run as chunks of PACKED_MAX_ROWS rows, so a long run sees a bounded set of shapes.
 PACKED_MAX_ROWS = 256
 ROW_BUCKET = 16
 
@@ -64,6 +64,7 @@ class PackedLinears:
         self._packs: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
+        self._pads: dict[tuple[int, int], torch.Tensor] = {}
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._packs.get(id(weight))
@@ -79,23 +80,44 @@ class PackedLinears:
     def clear(self) -> None:
         """Drop every packed copy and forget the module list (the next forward repacks what it uses)."""
         self._packs.clear()
+        self._pads.clear()
         self._overrides = None
+
+    def _pad_buffer(self, rows: int, width: int) -> torch.Tensor:
+        """A reusable input buffer per bucket. Its tail rows hold whatever earlier calls left: matmul rows are
+        independent, and the outputs of padding rows are cut off."""
+        buf = self._pads.get((rows, width))
+        if buf is None:
+            buf = self._pads[(rows, width)] = torch.zeros(rows, width)
+        return buf
+
+    def _rows(self, flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows, padded = flat.shape[0], padded_rows(flat.shape[0])
+        if padded != rows:
+            buf = self._pad_buffer(padded, flat.shape[1])
+            buf[:rows].copy_(flat)
+            return torch.ops.mkldnn._linear_pointwise(buf, packed, bias, "none", [], "")[:rows]
+        return torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` through the packed copy of `weight`."""
+        flat = x.reshape(-1, x.shape[-1])
+        packed = self._packed(weight)
+        if flat.shape[0] <= PACKED_MAX_ROWS:
+            out = self._rows(flat, packed, bias)
+        else:
+            out = torch.cat([self._rows(chunk, packed, bias) for chunk in flat.split(PACKED_MAX_ROWS)])
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def _override(self, module: torch.nn.Linear):
         this = weakref.proxy(self)  # no reference cycle: a dropped engine frees its packed copies at once
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
-            rows = x.numel() // x.shape[-1] if x.numel() else 0
-            if getattr(this._active, "on", False) and 0 < rows <= PACKED_MAX_ROWS and x.dtype == torch.float32 \
+            if getattr(this._active, "on", False) and x.numel() and x.dtype == torch.float32 \
                     and weight.dtype == torch.float32 and weight.device.type == "cpu" \
                     and weight.layout == torch.strided:
-                flat = x.reshape(rows, x.shape[-1])
-                padded = padded_rows(rows)
-                if padded != rows:
-                    flat = F.pad(flat, (0, 0, 0, padded - rows))
-                out = torch.ops.mkldnn._linear_pointwise(flat, this._packed(weight), module.bias, "none", [], "")
-                return out[:rows].view(*x.shape[:-1], out.shape[-1])
+                return this.linear(x, weight, module.bias)
             return F.linear(x, weight, module.bias)
         return forward
 
