@@ -235,7 +235,8 @@ class PhaseTimers:
         ("attention", "forward", "paged attention, all layers"),
         ("kv_write", "attention", "PagedKVCache.write (index_copy_ of K and V)"),
         ("kv_gather", "attention", "attention._gather: K/V pages gathered for decode rows (if the engine has it)"),
-        ("attend", "attention", "_attend: SDPA over gathered K/V"),
+        ("attend", "attention", "_attend: SDPA over gathered K/V (PyTorch path)"),
+        ("cpu_kernel", "attention", "the C paged-attention kernel (cpu_kernel.paged_attention), all tokens at once"),
         ("attn_rest", "attention", "rest of attention: K/V gather (when not in _gather), q select, masks, copies"),
         ("linear_etc", "forward", "rest of forward: linears, norms, RoPE, MLP, lm_head"),
         ("sampler", "step", "Sampler.sample"),
@@ -322,6 +323,7 @@ class PhaseTimers:
         self._patch(kv_mod.PagedKVCache, "write", "kv_write")
         self._patch(attn_mod, "_attend", "attend")
         self._patch(attn_mod, "_gather", "kv_gather")
+        self._patch(attn_mod, "paged_attention", "cpu_kernel")
         original_attention = attn_mod.paged_attention_forward
         AttentionInterface.register(attn_mod.ATTENTION_NAME, self._timed("attention", original_attention))
         self._restore.append((None, attn_mod.ATTENTION_NAME, original_attention))
@@ -343,7 +345,7 @@ class PhaseTimers:
         t["wall"] = wall_s
         t["forward"] = t.get("runner", 0.0) - t.get("build_batch", 0.0)
         t["attn_rest"] = (t.get("attention", 0.0) - t.get("kv_write", 0.0) - t.get("kv_gather", 0.0)
-                          - t.get("attend", 0.0))
+                          - t.get("attend", 0.0) - t.get("cpu_kernel", 0.0))
         t["linear_etc"] = t["forward"] - t.get("attention", 0.0)
         t["step_rest"] = t.get("step", 0.0) - t.get("schedule", 0.0) - t.get("runner", 0.0) - t.get("sampler", 0.0)
         t["outside"] = wall_s - t.get("step", 0.0)

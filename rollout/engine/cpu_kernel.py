@@ -132,9 +132,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tokens, heads, dim = query.shape
     out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
     status = lib.rollout_paged_attention(
-        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.positions.data_ptr(),
-        batch.token_rows.data_ptr(), batch.tables.data_ptr(), tokens, batch.tables.shape[1], heads, k_cache.shape[1],
-        dim, page_size, scale, window or 0, softcap or 0.0, DTYPES[k_cache.dtype], torch.get_num_threads())
+        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        batch.positions.data_ptr(), batch.token_rows.data_ptr(), batch.tables.data_ptr(), tokens,
+        batch.tables.shape[1], heads, k_cache.shape[1], dim, page_size, scale, window or 0, softcap or 0.0,
+        DTYPES[k_cache.dtype], torch.get_num_threads())
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its per-thread scratch memory")
     return out

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
 # oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to one of ~20
-# buckets, and larger inputs (prefill) run as chunks of PACKED_MAX_ROWS rows, so a long run sees a bounded set of shapes.
+# buckets, and larger inputs (prefill) run as chunks of PACKED_MAX_ROWS rows, so a long run sees a bounded set of
+# shapes.
 PACKED_MAX_ROWS = 256
 ROW_BUCKET = 16
 
