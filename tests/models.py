@@ -81,3 +81,20 @@ def perturbed(model, seed: int = 1, scale: float = 0.05):
         for p in new.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(1e-3))
     return new
+
+
+def run_engine(engine, max_steps: int = 2000) -> dict:
+    """Step to completion, checking block accounting after every step; returns the terminal outputs by id."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.is_finished():
+                assert out.request_id not in done, f"{out.request_id} finished twice"
+                done[out.request_id] = out
+        engine.check_invariants()
+    assert not engine.has_unfinished(), "the engine did not finish"
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["num_blocks"], "KV blocks leaked"
+    return done

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts, tiny_model
+from models import greedy_reference, random_prompts, run_engine, tiny_model
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine import cpu_kernel
 from rollout.engine.cpu_kernel import KernelBatch, load_kernel, paged_attention
@@ -101,11 +101,10 @@ def test_engine_falls_back_when_the_kernel_cannot_build(no_kernel, caplog):
                            ContinuousBatchingConfig(page_size=8))
     assert not engine.runner.use_kernel
     assert "PyTorch path" in caplog.text
-    engine.add_request(prompt)
-    while engine.has_unfinished():
-        outs = engine.step()
+    (request_id,) = engine.add_request(prompt)
+    tokens = run_engine(engine)[request_id].generated_tokens
     ref, safe = greedy_reference(model, prompt, 12)
-    assert outs[0].generated_tokens[:safe] == ref[:safe]
+    assert tokens[:safe] == ref[:safe]
     with pytest.raises(ValueError, match="cpu_attention_kernel=True"):
         LLMEngine(model, None, ContinuousBatchingConfig(page_size=8, cpu_attention_kernel=True))
 

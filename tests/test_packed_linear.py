@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts, tiny_model
+from models import greedy_reference, random_prompts, run_engine, tiny_model
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine import model_runner
 from rollout.engine.packed_linear import PackedLinears, packing_available
@@ -16,11 +16,8 @@ NEW = 10
 
 
 def _greedy(engine, prompt):
-    engine.add_request(prompt)
-    outs = []
-    while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.is_finished()]
-    return outs[0].generated_tokens
+    (request_id,) = engine.add_request(prompt)
+    return run_engine(engine)[request_id].generated_tokens
 
 
 def _assert_follows(engine, model, prompt):

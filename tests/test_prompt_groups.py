@@ -3,18 +3,8 @@ later ones join the first while it is still queued, keep their own settings, and
 
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts
+from models import greedy_reference, random_prompts, run_engine
 from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
-
-
-def _drain(engine):
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.is_finished():
-                outs[out.request_id] = out
-        engine.check_invariants()
-    return outs
 
 
 def _engine(model, **config):
@@ -31,10 +21,8 @@ def test_identical_prompts_prefill_once_with_their_own_settings(qwen3):
     # a sampled member among greedy ones: its own temperature and seed apply from its first token
     ids.append(engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6, temperature=1.0,
                                                                          seed=11))[0])
-    outs = _drain(engine)
-    stats = engine.stats()
-    assert stats["prefill_tokens"] == len(prompt) + len(other), "each distinct prompt is computed once"
-    assert stats["free_blocks"] == stats["num_blocks"]
+    outs = run_engine(engine)
+    assert engine.stats()["prefill_tokens"] == len(prompt) + len(other), "each distinct prompt is computed once"
     ref, safe = greedy_reference(qwen3, prompt, max(budgets))
     for rid, budget in zip(ids, budgets):
         tokens = outs[rid].generated_tokens
@@ -43,7 +31,7 @@ def test_identical_prompts_prefill_once_with_their_own_settings(qwen3):
 
     alone = _engine(qwen3)
     alone.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6, temperature=1.0, seed=11))
-    assert next(iter(_drain(alone).values())).generated_tokens == outs[ids[-1]].generated_tokens
+    assert next(iter(run_engine(alone).values())).generated_tokens == outs[ids[-1]].generated_tokens
 
 
 def test_no_joining_once_the_first_has_started_or_without_sharing(qwen3):
@@ -52,14 +40,14 @@ def test_no_joining_once_the_first_has_started_or_without_sharing(qwen3):
     engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6))
     engine.step()  # the first copy is prefilled: a later identical prompt queues on its own (prefix-cache hits only)
     engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6))
-    outs = _drain(engine)
+    outs = run_engine(engine)
     assert len(outs) == 2 and len({tuple(o.generated_tokens) for o in outs.values()}) == 1
     assert engine.stats()["prefill_tokens"] == len(prompt) + len(prompt) % 8  # the partial block is recomputed
 
     no_sharing = _engine(qwen3, allow_block_sharing=False)
     for _ in range(3):
         no_sharing.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=4))
-    _drain(no_sharing)
+    run_engine(no_sharing)
     assert no_sharing.stats()["prefill_tokens"] == 3 * len(prompt)
 
 
@@ -70,8 +58,7 @@ def test_cancelling_the_first_hands_the_group_to_the_next(qwen3):
                             for _ in range(3))
     assert engine.cancel(first).finish_reason == "cancelled"
     fourth = engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=5))[0]
-    outs = _drain(engine)
+    outs = run_engine(engine)
     assert sorted(outs) == sorted([second, third, fourth])
     assert len({tuple(o.generated_tokens) for o in outs.values()}) == 1
     assert engine.stats()["prefill_tokens"] == len(prompt), "the fourth joined the group the second took over"
-    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]

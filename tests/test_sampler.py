@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from models import VOCAB, greedy_reference, random_prompts, tiny_model
+from models import VOCAB, greedy_reference, random_prompts, run_engine, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.engine.engine import LLMEngine
 from rollout.engine.sampler import Sampler, SampleRow
@@ -199,12 +199,7 @@ def test_n_group_prefills_its_prompt_once(qwen3, prompt_len):
     prompt = random_prompts([prompt_len], seed=12)[0]
     ids = engine.add_request(prompt, sampling_params=SamplingParams(n=8, temperature=1.0, seed=3, max_new_tokens=5))
     assert ids == [f"req_0#{j}" for j in range(8)]
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.is_finished():
-                outs[out.request_id] = out
-        engine.check_invariants()
+    outs = run_engine(engine)
     stats = engine.stats()
     assert stats["prefill_tokens"] == prompt_len, "the group's prompt must be computed once, not once per sample"
     assert stats["decode_tokens"] == 8 * 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import VOCAB, random_prompts, tiny_model
+from models import VOCAB, random_prompts, run_engine, tiny_model
 from rollout import ContinuousBatchingConfig, RequestStatus, SamplingParams, generate_batch
 from rollout.engine.engine import LLMEngine
 
@@ -22,23 +22,6 @@ NEW = 5
 
 def greedy(**kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=kw.pop("max_new_tokens", NEW), **kw)
-
-
-def run_engine(engine: LLMEngine, max_steps: int = 2000) -> dict:
-    """Step to completion, checking block accounting after every step; returns the terminal outputs by id."""
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            if out.is_finished():
-                assert out.request_id not in done, f"{out.request_id} finished twice"
-                done[out.request_id] = out
-        engine.check_invariants()
-    assert not engine.has_unfinished(), "the engine did not finish"
-    stats = engine.stats()
-    assert stats["free_blocks"] == stats["num_blocks"], "KV blocks leaked"
-    return done
 
 
 # (prompt, params, words the error must contain)
