@@ -128,3 +128,16 @@ def test_fp16_cache_uses_the_pytorch_path():
     model = tiny_model("qwen3").to(torch.float16)
     engine = LLMEngine(model, None, ContinuousBatchingConfig(page_size=8))
     assert not engine.runner.use_kernel
+
+
+def test_an_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(cpu_kernel.ENV_CACHE_DIR, str(blocker / "kernels"))  # mkdir fails under a regular file
+    load_kernel.cache_clear()
+    try:
+        lib = load_kernel()
+        assert lib is not None and "rollout-kernels-" in lib._name
+    finally:
+        monkeypatch.undo()
+        load_kernel.cache_clear()

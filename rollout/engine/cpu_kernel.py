@@ -64,11 +64,18 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    name = f"paged_attention-{key}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"rollout-kernels-{os.getuid()}"):
+        if (folder / name).exists():
+            return folder / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue  # a read-only home: build under the temp dir instead
+    target = folder / name
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
         obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / "paged_attention.so"
         for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
                     [compiler, str(obj), *LINK_FLAGS, "-o", str(lib)]):
