@@ -56,8 +56,8 @@ class ContinuousBatchingConfig:
     # CPU only: attend with the C kernel (rollout/engine/csrc, built with the system compiler at first use) instead of
     # page gathers + SDPA. None: the kernel when it builds (fp32/bf16 caches), else the PyTorch path.
     cpu_attention_kernel: bool | None = None
-    # CPU only: run fp32 linears on oneDNN-packed weight copies (faster at every batch size; costs one extra copy of
-    # the linear weights in RAM). None: on whenever the torch build has oneDNN.
+    # CPU only: run fp32/bf16 linears on oneDNN-packed weight copies (faster at every batch size; costs one extra copy
+    # of the linear weights in RAM). None: on whenever the torch build has oneDNN.
     prepack_weights: bool | None = None
     # Deprecated alias of page_size, kept so transformers-style code keeps working.
     block_size: int | None = field(default=None, repr=False)

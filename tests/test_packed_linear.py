@@ -58,11 +58,14 @@ def test_a_write_through_data_and_a_version_bump_is_seen():
     _assert_follows(engine, other, prompt)
 
 
-def test_only_cpu_fp32_weights_are_packed():
-    model = tiny_model("qwen3").to(torch.bfloat16)
+def test_only_cpu_fp32_and_bf16_weights_are_packed():
+    model = tiny_model("qwen3").to(torch.float16)
     engine = _engine(model)
     assert len(_greedy(engine, random_prompts([9], seed=4)[0])) == NEW
     assert not engine.runner.linears._packs
+    bf16 = _engine(tiny_model("qwen3").to(torch.bfloat16))
+    assert len(_greedy(bf16, random_prompts([9], seed=4)[0])) == NEW
+    assert bf16.runner.linears._packs
     fp32 = _engine(tiny_model("qwen3"))
     _greedy(fp32, random_prompts([9], seed=4)[0])
     linears = [m for m in fp32.model.modules() if isinstance(m, torch.nn.Linear)]

@@ -1,8 +1,10 @@
-"""oneDNN-prepacked copies of the model's fp32 linear weights, used for the engine's forward on CPU.
+"""oneDNN-prepacked copies of the model's fp32/bf16 linear weights, used for the engine's forward on CPU.
 
 Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
 into its blocked layout is faster at every batch size the engine sees (about 1.3x at 256 rows and 2x at 16 rows on
 a 2-core AVX-512 machine, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts).
+bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
+a long run); packed and bucketed (below) it is a little faster and bounded.
 
 How, without changing the model: around the engine's forward only, each plain `nn.Linear` gets an instance-level
 `forward` that uses the packed copy, removed again right after; the override also checks that it runs on the thread
@@ -31,6 +33,7 @@ PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; mea
 # buckets, and larger inputs (prefill) run as chunks of PACKED_MAX_ROWS rows, so a long run sees a bounded set of
 # shapes.
 PACKED_MAX_ROWS = 256
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_BUCKET = 16
 
 
@@ -57,7 +60,8 @@ def packing_available() -> bool:
 
 
 class PackedLinears:
-    """Context manager around the engine's forward: plain fp32 CPU `nn.Linear`s of `model` run on packed weights."""
+    """Context manager around the engine's forward: plain fp32/bf16 CPU `nn.Linear`s of `model` run on packed
+    weights."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -65,7 +69,7 @@ class PackedLinears:
         self._packs: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
-        self._pads: dict[tuple[int, int], torch.Tensor] = {}
+        self._pads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._packs.get(id(weight))
@@ -84,18 +88,18 @@ class PackedLinears:
         self._pads.clear()
         self._overrides = None
 
-    def _pad_buffer(self, rows: int, width: int) -> torch.Tensor:
+    def _pad_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable input buffer per bucket. Its tail rows hold whatever earlier calls left: matmul rows are
         independent, and the outputs of padding rows are cut off."""
-        buf = self._pads.get((rows, width))
+        buf = self._pads.get((rows, width, dtype))
         if buf is None:
-            buf = self._pads[(rows, width)] = torch.zeros(rows, width)
+            buf = self._pads[(rows, width, dtype)] = torch.zeros(rows, width, dtype=dtype)
         return buf
 
     def _rows(self, flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows, padded = flat.shape[0], padded_rows(flat.shape[0])
         if padded != rows:
-            buf = self._pad_buffer(padded, flat.shape[1])
+            buf = self._pad_buffer(padded, flat.shape[1], flat.dtype)
             buf[:rows].copy_(flat)
             return torch.ops.mkldnn._linear_pointwise(buf, packed, bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
@@ -115,8 +119,8 @@ class PackedLinears:
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
-            if getattr(this._active, "on", False) and x.numel() and x.dtype == torch.float32 \
-                    and weight.dtype == torch.float32 and weight.device.type == "cpu" \
+            if getattr(this._active, "on", False) and x.numel() and x.dtype == weight.dtype \
+                    and weight.dtype in PACKED_DTYPES and weight.device.type == "cpu" \
                     and weight.layout == torch.strided:
                 return this.linear(x, weight, module.bias)
             return F.linear(x, weight, module.bias)
