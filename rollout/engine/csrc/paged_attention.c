@@ -55,6 +55,13 @@ static inline void axpy(float *y, float a, const float *x, int64_t d) {
     for (int64_t i = 0; i < d; i++) y[i] += a * x[i];
 }
 
+/* Positions [pos, returned stop) of a row lie on one page; their slots are `*base + position`. */
+static inline int64_t page_run(const int64_t *table, int64_t pos, int64_t end, int64_t page, int64_t *base) {
+    const int64_t index = pos / page, page_end = (index + 1) * page;
+    *base = table[index] * page - index * page;
+    return page_end < end ? page_end : end;
+}
+
 /* Attention of token t for the query heads of kv heads [kv_first, kv_first + kv_count) (G query heads each). Keys
  * and values are walked position by position across those kv heads, so a whole-token item streams each page front to
  * back. Scratch: `scores` kv_count * G * (position + 1) floats, `qf` and `acc` kv_count * G * D, `tmp` D. */
@@ -75,10 +82,8 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t i = 0; i < d; i++) qf[h * d + i] = src[i] * (softcap > 0.f ? 1.f : scale);
     }
     /* scores: walk the row's pages */
-    for (int64_t pos = begin; pos < end;) {
-        const int64_t base = table[pos / page] * page - pos / page * page; /* slot = base + pos on this page */
-        const int64_t stop = (pos / page + 1) * page < end ? (pos / page + 1) * page : end;
-        for (; pos < stop; pos++) {
+    for (int64_t pos = begin, base, stop; pos < end;)
+        for (stop = page_run(table, pos, end, page, &base); pos < stop; pos++)
             for (int64_t kv = 0; kv < kv_count; kv++) {
                 const float *k = row_f32(k_cache, ((base + pos) * num_kv_heads + kv_first + kv) * d, d, dtype, tmp);
                 for (int64_t g = 0; g < g_heads; g++) {
@@ -88,8 +93,6 @@ static inline __attribute__((always_inline)) void attend(
                     scores[h * n + (pos - begin)] = score;
                 }
             }
-        }
-    }
     /* softmax per head; the normaliser is applied at the end */
     float sums[heads];
     for (int64_t h = 0; h < heads; h++) {
@@ -106,19 +109,13 @@ static inline __attribute__((always_inline)) void attend(
     }
     /* weighted values */
     memset(acc, 0, sizeof(float) * heads * d);
-    for (int64_t pos = begin; pos < end;) {
-        const int64_t base = table[pos / page] * page - pos / page * page;
-        const int64_t stop = (pos / page + 1) * page < end ? (pos / page + 1) * page : end;
-        for (; pos < stop; pos++) {
+    for (int64_t pos = begin, base, stop; pos < end;)
+        for (stop = page_run(table, pos, end, page, &base); pos < stop; pos++)
             for (int64_t kv = 0; kv < kv_count; kv++) {
                 const float *v = row_f32(v_cache, ((base + pos) * num_kv_heads + kv_first + kv) * d, d, dtype, tmp);
-                for (int64_t g = 0; g < g_heads; g++) {
-                    const int64_t h = kv * g_heads + g;
+                for (int64_t h = kv * g_heads; h < (kv + 1) * g_heads; h++)
                     axpy(acc + h * d, scores[h * n + (pos - begin)], v, d);
-                }
             }
-        }
-    }
     for (int64_t h = 0; h < heads; h++) {
         const float inv = 1.f / sums[h];
         const int64_t o = (t * num_heads + first_head + h) * d;
