@@ -126,20 +126,20 @@ class LLMEngine:
             req = Request(rid, prompt, sample_sampling, arrival=next(self._arrivals), streaming=streaming)
             self.requests[rid] = req
             group.append(req)
-        leader = self._open_group(prompt)
+        key = tuple(prompt)
+        leader = self._open_group(key)
         if leader is not None:  # the same prompt is already queued: prefill it once for both (see _fork)
             leader.followers.extend(group)
         else:
             group[0].followers = group[1:]  # one prefill for the group; the others fork off it (see _fork)
             self.scheduler.add(group[0])
             if self.config.allow_block_sharing:
-                self._open_groups[tuple(prompt)] = group[0]
+                self._open_groups[key] = group[0]
         self.counters["prompt_tokens"] += len(prompt)
         return ids
 
-    def _open_group(self, prompt: list[int]) -> Request | None:
-        """The queued leader an identical prompt can join: still waiting, nothing computed or sampled yet."""
-        key = tuple(prompt)
+    def _open_group(self, key: tuple[int, ...]) -> Request | None:
+        """The queued leader a prompt equal to `key` can join: still waiting, nothing computed or sampled yet."""
         leader = self._open_groups.get(key)
         if leader is None:
             return None
