@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     MODEL_CONFIG,
     LoadMonitor,
     PhaseTimers,
@@ -71,7 +71,7 @@ def _matmul_fn(kind: str, x: torch.Tensor, w: torch.Tensor):
         return lambda: F.linear(x, w)
     from rollout.engine.packed_linear import PACK_BATCH_HINT, packing_available
 
-    if not packing_available():
+    if not packing_available(w.dtype):
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -178,7 +178,7 @@ def steady_decode(model, args) -> dict:
     while True:  # prefill everyone (chunked by the engine's token budget)
         engine.step()
         s = engine.stats()
-        if s["waiting"] == 0 and s["generated_tokens"] >= args.decode_batch:
+        if s.waiting == 0 and s.generated_tokens >= args.decode_batch:
             break
     prefill_s = time.perf_counter() - t
     for _ in range(args.decode_warmup):
@@ -186,19 +186,19 @@ def steady_decode(model, args) -> dict:
 
     def timed_steps():
         before = engine.stats()
-        ctx0 = args.prompt_len + before["generated_tokens"] / args.decode_batch
+        ctx0 = args.prompt_len + before.generated_tokens / args.decode_batch
         with LoadMonitor() as mon:
             t0 = time.perf_counter()
             for _ in range(args.decode_steps):
                 engine.step()
             wall = time.perf_counter() - t0
         after = engine.stats()
-        tokens = after["decode_tokens"] - before["decode_tokens"]
-        steps = after["steps"] - before["steps"]
-        ctx1 = args.prompt_len + after["generated_tokens"] / args.decode_batch
+        tokens = after.decode_tokens - before.decode_tokens
+        steps = after.steps - before.steps
+        ctx1 = args.prompt_len + after.generated_tokens / args.decode_batch
         return dict(wall_s=wall, tokens=tokens, steps=steps, tok_s=tokens / wall, ms_per_step=1000 * wall / steps,
                     mean_context=(ctx0 + ctx1) / 2, all_decode=tokens == steps * args.decode_batch,
-                    preemptions=after["preemptions"] - before["preemptions"], **mon.summary())
+                    preemptions=after.preemptions - before.preemptions, **mon.summary())
 
     plain = timed_steps()
     with PhaseTimers() as timers:

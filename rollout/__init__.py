@@ -1,27 +1,62 @@
-"""rollout: a continuous-batching generation engine with a paged KV cache, and an RL rollout layer on top."""
+"""rollout: a continuous-batching generation engine with a paged KV cache, and an RL rollout layer on top.
 
-from rollout.config import ContinuousBatchingConfig
-from rollout.engine import LLMEngine, RequestOutput, RequestStatus
-from rollout.generate import continuous_batching_context_manager, generate_batch, init_continuous_batching
-from rollout.manager import ContinuousBatchingManager
-from rollout.rl.generator import RolloutBatch, RolloutGenerator, RolloutSample
-from rollout.rl.weights import WeightUpdateError
-from rollout.sampling_params import SamplingParams
+The public names load on first use, so `import rollout` (and with it the `rollout` command's parser and --help)
+does not pay for torch and transformers until something needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ContinuousBatchingConfig",
-    "ContinuousBatchingManager",
-    "LLMEngine",
-    "RequestOutput",
-    "RolloutBatch",
-    "RolloutGenerator",
-    "RolloutSample",
-    "WeightUpdateError",
-    "RequestStatus",
-    "SamplingParams",
-    "continuous_batching_context_manager",
-    "generate_batch",
-    "init_continuous_batching",
-]
+_EXPORTS = {
+    "ContinuousBatchingConfig": "rollout.config",
+    "ContinuousBatchingManager": "rollout.manager",
+    "EngineStats": "rollout.engine.stats",
+    "ErrorKind": "rollout.engine.request",
+    "InvalidRequestError": "rollout.validation",
+    "ManagerError": "rollout.manager",
+    "UnsupportedModelError": "rollout.engine.model_runner",
+    "LLMEngine": "rollout.engine",
+    "RequestOutput": "rollout.engine",
+    "RequestStatus": "rollout.engine",
+    "RolloutBatch": "rollout.rl.generator",
+    "RolloutGenerator": "rollout.rl.generator",
+    "RolloutSample": "rollout.rl.generator",
+    "SamplingParams": "rollout.sampling_params",
+    "WeightUpdateError": "rollout.rl.weights",
+    "continuous_batching_context_manager": "rollout.generate",
+    "generate_batch": "rollout.generate",
+    "init_continuous_batching": "rollout.generate",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from rollout.config import ContinuousBatchingConfig
+    from rollout.engine import LLMEngine, RequestOutput, RequestStatus
+    from rollout.engine.model_runner import UnsupportedModelError
+    from rollout.engine.request import ErrorKind
+    from rollout.engine.stats import EngineStats
+    from rollout.generate import continuous_batching_context_manager, generate_batch, init_continuous_batching
+    from rollout.manager import ContinuousBatchingManager, ManagerError
+    from rollout.rl.generator import RolloutBatch, RolloutGenerator, RolloutSample
+    from rollout.rl.weights import WeightUpdateError
+    from rollout.sampling_params import SamplingParams
+    from rollout.validation import InvalidRequestError
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = sorted(_EXPORTS)

@@ -7,6 +7,7 @@ transformers user can pass the same arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -26,13 +27,36 @@ DEFAULT_MAX_REQUESTS = 1024
 # small model does not reserve gigabytes for a handful of requests.
 CPU_DEFAULT_CACHE_BYTES = 512 * 1024**2
 CPU_DEFAULT_CACHE_TOKENS = 65536
+# Tokens per KV page when `page_size` is left unset, per device type. CPU: small pages waste less of the last page per
+# sequence and keep the attention kernel's per-page loop short; W1 ran about 15% faster at 32 than at 256 on a 2-core
+# AVX2 machine and no slower on AVX-512 (`python benchmarks/page_size.py`). CUDA: flash-attn's paged kernels need a
+# multiple of 256.
+DEFAULT_PAGE_SIZE = {"cpu": 32, "cuda": 256}
+FALLBACK_PAGE_SIZE = 256
+
+# Fields transformers' ContinuousBatchingConfig has and this engine does not implement (yet): name -> (the only value
+# accepted, why). Kept so the same arguments construct; anything else raises instead of being ignored.
+UNIMPLEMENTED_FIELDS: dict[str, tuple[object, str]] = {
+    "use_cuda_graph": (None, "CUDA graphs are not implemented"),
+    "use_async_batching": (None, "asynchronous batching is not implemented"),
+    "default_compile_level": (0, "torch.compile levels are not implemented"),
+    "q_padding_interval_size": (0, "query padding exists for CUDA graphs, which are not implemented"),
+    "kv_padding_interval_size": (0, "KV padding exists for CUDA graphs, which are not implemented"),
+    "cpu_offload_space": (0.0, "offloading evicted KV blocks to CPU memory is not implemented"),
+    "cpu_offload_space_safety_threshold": (0.8, "offloading evicted KV blocks to CPU memory is not implemented"),
+    "cpu_group_timeout": (300.0, "CPU offload groups are not implemented"),
+    "max_queue_size": (0, "the request queue is unbounded"),
+    "max_blocks_per_request": (None, "a request may use as many blocks as the cache has; bound its length with "
+                                     "max_new_tokens instead"),
+    "per_request_processors": (True, "per-request settings are always honoured"),
+}
 
 
 @dataclass
 class ContinuousBatchingConfig:
     """How the engine uses memory and schedules work. All fields are optional; `None` means "infer"."""
 
-    page_size: int = 256
+    page_size: int | None = None  # None: DEFAULT_PAGE_SIZE for the model's device
     num_blocks: int | None = None
     max_batch_tokens: int | None = None
     max_memory_percent: float | None = None
@@ -57,7 +81,9 @@ class ContinuousBatchingConfig:
     # page gathers + SDPA. None: the kernel when it builds (fp32/bf16 caches), else the PyTorch path.
     cpu_attention_kernel: bool | None = None
     # CPU only: run fp32/bf16 linears on oneDNN-packed weight copies (faster at every batch size; costs one extra copy
-    # of the linear weights in RAM). None: on whenever the torch build has oneDNN.
+    # of the linear weights in RAM). None: packs the dtypes this CPU and torch build support (bf16 packing needs
+    # AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere bf16 keeps F.linear, same tokens). True: error if the model's dtype
+    # cannot be packed here.
     prepack_weights: bool | None = None
     # Deprecated alias of page_size, kept so transformers-style code keeps working.
     block_size: int | None = field(default=None, repr=False)
@@ -67,8 +93,9 @@ class ContinuousBatchingConfig:
             warnings.warn("`block_size` is deprecated, use `page_size` instead.", FutureWarning, stacklevel=3)
             self.page_size = self.block_size
             self.block_size = None
-        if not isinstance(self.page_size, int) or self.page_size < MIN_PAGE_SIZE:
-            raise ValueError(f"page_size must be an integer >= {MIN_PAGE_SIZE}, got {self.page_size!r}.")
+        if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < MIN_PAGE_SIZE):
+            raise ValueError(f"page_size must be an integer >= {MIN_PAGE_SIZE} or None (the device's default), "
+                             f"got {self.page_size!r}.")
         if self.scheduler_type not in SCHEDULER_TYPES:
             raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}.")
         if self.safety_margin is None:
@@ -83,12 +110,24 @@ class ContinuousBatchingConfig:
             raise ValueError(f"max_requests_per_batch must be >= 1, got {self.max_requests_per_batch!r}.")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}.")
-        if self.default_compile_level not in (0, 1, 2, 3):
-            raise ValueError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level!r}.")
-        if self.cpu_offload_space is not None and self.cpu_offload_space < 0:
-            raise ValueError(f"cpu_offload_space must be >= 0 GiB or None, got {self.cpu_offload_space!r}.")
+        self._reject_unimplemented()
+
+    def _reject_unimplemented(self) -> None:
+        """transformers' fields that this engine does not implement are accepted only at their defaults: a setting
+        that would silently do nothing is an error."""
+        for name, (default, what) in UNIMPLEMENTED_FIELDS.items():
+            value = getattr(self, name)
+            if value != default:
+                raise ValueError(f"ContinuousBatchingConfig.{name}={value!r} is not supported: {what}. Remove it or "
+                                 f"leave it at its default ({default!r}).")
 
     # ------------------------------------------------------------------ sizing
+    def for_device(self, device: torch.device) -> ContinuousBatchingConfig:
+        """A copy with every device-dependent default resolved (the caller's object is left as given)."""
+        if self.page_size is not None:
+            return self
+        return dataclasses.replace(self, page_size=DEFAULT_PAGE_SIZE.get(device.type, FALLBACK_PAGE_SIZE))
+
     def resolve_batch_tokens(self, device: torch.device) -> int:
         """Token budget per forward: the user's value as given, else the default capped by free memory (>= 256)."""
         if self.max_batch_tokens is not None:

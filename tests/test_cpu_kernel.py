@@ -1,18 +1,28 @@
-"""The C paged-attention kernel equals dense attention computed in float64, for every shape the engine hands it, and
-the engine falls back to the PyTorch path (or says why it cannot) when the kernel is unavailable."""
+"""The C paged-attention kernel equals dense attention computed in float64, for every shape the engine hands it and
+for every -march it is built for (with and without OpenMP), and the engine falls back to the PyTorch path (or says
+why it cannot) when the kernel is unavailable or does not fit this CPU."""
 
 import logging
+import platform
+import stat
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts, run_engine, tiny_model
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine import cpu_kernel
-from rollout.engine.cpu_kernel import KernelBatch, load_kernel, paged_attention
+from rollout.engine.cpu_features import cpu_features, isa_flags
+from rollout.engine.cpu_kernel import KernelBatch, kernel_build, load_kernel, paged_attention
+from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
 
-pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler with OpenMP on this machine")
+needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the kernel cannot be built or used here (see log)")
+needs_compiler = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+# x86-64 levels: the CPU flags each needs (of those cpu_features tracks) and the widest ISA it compiles in
+MARCH_NEEDS = {"x86-64-v2": {"sse4_2"}, "x86-64-v3": {"sse4_2", "avx2", "fma3"},
+               "x86-64-v4": {"sse4_2", "avx2", "fma3", "avx512_f"}}
+MARCH_ISA = {"x86-64-v2": "sse4.2", "x86-64-v3": "avx2", "x86-64-v4": "avx512f"}
 
 
 def _dense_reference(q, k_cache, v_cache, positions, token_rows, tables, page, scale, window, softcap):
@@ -46,11 +56,20 @@ def _step_like_batch(page, num_blocks, seed):
     return KernelBatch(positions, token_rows, tables)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tol", list(TOLERANCE.items()))
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 128), (6, 3, 24)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 20.0)])
 @pytest.mark.parametrize("page", [4, 16])
 def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, head_dim, window, softcap, page):
+    _assert_matches_dense(dtype, tol, heads, kv_heads, head_dim, window, softcap, page)
+
+
+def _assert_matches_dense(dtype, tol, heads, kv_heads, head_dim, window, softcap, page):
+    """The currently loaded kernel on a step-like batch against the float64 reference."""
     torch.manual_seed(0)
     num_blocks = 64
     batch = _step_like_batch(page, num_blocks, seed=page + head_dim)
@@ -66,7 +85,12 @@ def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, head_dim, w
     assert (out.double() - ref).abs().max().item() < tol
 
 
+@needs_kernel
 def test_kernel_uses_every_thread_setting_alike():
+    _assert_thread_count_independent()
+
+
+def _assert_thread_count_independent():
     """Work is split across OpenMP threads by (token, kv head): the result cannot depend on the thread count."""
     batch = _step_like_batch(16, 64, seed=3)
     k_cache, v_cache = torch.randn(64 * 16, 2, 64), torch.randn(64 * 16, 2, 64)
@@ -91,6 +115,7 @@ def no_kernel(monkeypatch, tmp_path):
     yield
     monkeypatch.undo()
     load_kernel.cache_clear()
+    cpu_features.cache_clear()  # in case detection ran (and cached the failed build) meanwhile
 
 
 def test_engine_falls_back_when_the_kernel_cannot_build(no_kernel, caplog):
@@ -109,6 +134,7 @@ def test_engine_falls_back_when_the_kernel_cannot_build(no_kernel, caplog):
         LLMEngine(model, None, ContinuousBatchingConfig(page_size=8, cpu_attention_kernel=True))
 
 
+@needs_kernel
 def test_kernel_is_built_into_the_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_kernel.ENV_CACHE_DIR, str(tmp_path))
     load_kernel.cache_clear()
@@ -122,6 +148,7 @@ def test_kernel_is_built_into_the_cache_dir(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         load_kernel.cache_clear()
+        cpu_features.cache_clear()
 
 
 def test_fp16_cache_uses_the_pytorch_path():
@@ -130,6 +157,7 @@ def test_fp16_cache_uses_the_pytorch_path():
     assert not engine.runner.use_kernel
 
 
+@needs_kernel
 def test_an_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
@@ -141,3 +169,81 @@ def test_an_unusable_cache_dir_falls_back_to_the_temp_dir(monkeypatch, tmp_path)
     finally:
         monkeypatch.undo()
         load_kernel.cache_clear()
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """Builds go to an empty cache dir and load_kernel() builds again; the process's kernel is restored after."""
+    monkeypatch.setenv(cpu_kernel.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    load_kernel.cache_clear()
+    yield tmp_path / "cache"
+    monkeypatch.undo()
+    load_kernel.cache_clear()
+    cpu_features.cache_clear()  # in case detection ran (and cached this test's kernel) meanwhile
+
+
+def _assert_kernel_correct():
+    for dtype, tol in TOLERANCE.items():
+        for heads, kv_heads, head_dim, window, softcap in [(8, 2, 64, None, None), (6, 3, 24, 7, 20.0)]:
+            _assert_matches_dense(dtype, tol, heads, kv_heads, head_dim, window, softcap, page=4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("march", list(MARCH_NEEDS))
+def test_kernel_for_each_x86_64_level(fresh_kernel, monkeypatch, march):
+    """x86-64-v2 is the floor any x86-64 CPU since ~2009 runs, v3 an AVX2 machine, v4 AVX-512: each level builds,
+    reports its ISA and is exact where the CPU runs it, and is refused (not crashed into) where it does not."""
+    monkeypatch.setenv(cpu_kernel.ENV_MARCH, march)
+    lib = load_kernel()
+    if not X86_64:
+        assert lib is None and "build failed" in kernel_build().reason
+        return
+    missing = sorted(MARCH_NEEDS[march] - isa_flags())
+    if missing:
+        assert lib is None and missing[-1] in kernel_build().reason
+        return
+    build = kernel_build()
+    assert lib is not None and build.available and build.march == march and build.isa == MARCH_ISA[march]
+    _assert_kernel_correct()
+
+
+@needs_compiler
+@pytest.mark.skipif(not X86_64, reason="uses the x86-64 -march levels")
+def test_march_is_part_of_the_cache_key(fresh_kernel, monkeypatch):
+    names = []
+    for march in ("x86-64-v2", "native", "x86-64-v2"):
+        monkeypatch.setenv(cpu_kernel.ENV_MARCH, march)
+        load_kernel.cache_clear()
+        load_kernel()
+        names.append(sorted(p.name for p in fresh_kernel.glob("*.so")))
+    assert len(names[0]) == 1 and len(names[1]) == 2 and names[2] == names[1], "one library per -march, reused"
+
+
+@needs_compiler
+def test_a_library_this_cpu_cannot_run_is_refused(fresh_kernel, monkeypatch, caplog):
+    """An AVX-512 build (say from a cache shared with another machine) on an AVX2 CPU would die on SIGILL."""
+    monkeypatch.setattr(cpu_kernel, "isa_flags", lambda: frozenset({"sse4_2", "avx2", "fma3"}))
+    monkeypatch.setenv(cpu_kernel.ENV_MARCH, "x86-64-v4")
+    with caplog.at_level(logging.WARNING, logger="rollout.engine.cpu_kernel"):
+        assert load_kernel() is None
+    if X86_64:
+        assert "avx512_f" in kernel_build().reason and cpu_kernel.ENV_MARCH in caplog.text
+    assert not LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8)).runner.use_kernel
+
+
+@needs_compiler
+def test_kernel_builds_without_openmp(fresh_kernel, monkeypatch, tmp_path, caplog):
+    """A compiler without OpenMP (clang without libomp): the kernel still builds, runs single-threaded, and is exact."""
+    real = cpu_kernel._compiler()
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text('#!/bin/sh\nfor arg in "$@"; do\n  if [ "$arg" = -fopenmp ]; then\n'
+                       '    echo "error: unsupported option \'-fopenmp\'" >&2; exit 1\n  fi\ndone\n'
+                       f'exec "{real}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv(cpu_kernel.ENV_MARCH, "x86-64-v2" if X86_64 else "native")  # a target any such CPU runs
+    with caplog.at_level(logging.WARNING, logger="rollout.engine.cpu_kernel"):
+        assert load_kernel() is not None
+    assert not kernel_build().openmp and "single-threaded" in caplog.text and "-fopenmp" in caplog.text
+    _assert_kernel_correct()
+    _assert_thread_count_independent()

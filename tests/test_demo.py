@@ -5,12 +5,13 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl")
 
-from rollout.demo.run import DEFAULT_MODEL, add_arguments, run  # noqa: E402
+from rollout.demo.run import DEFAULT_MODEL, add_arguments, run
 
 
 def test_embedded_policy_ships_with_the_package():
@@ -41,6 +42,34 @@ def test_short_demo_raises_the_reward(tmp_path):
     text = out.getvalue()
     for phrase in ["held-out accuracy", "tokens/s", "generating", "weight sync"]:
         assert phrase in text
+    assert f"summary: {tmp_path / 'summary.json'}" in text  # where to find the numbers afterwards
+    assert "W&B" not in text  # --no-wandb: no run to point at
+
+
+def test_wandb_offline_run_directory_is_reported(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from rollout.demo.run import _wandb_run_dir, report
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.init(project="rollout-demo-test")
+    try:
+        directory, offline = _wandb_run_dir()
+    finally:
+        wandb.finish()
+        wandb.teardown()  # wandb keeps its settings (WANDB_DIR included) process-wide until torn down
+    assert offline and Path(directory).is_dir() and Path(directory).name.startswith("offline-run-")
+    assert Path(directory).is_relative_to(tmp_path.resolve())
+    summary = {"accuracy_before": {"sampled": 0.3, "greedy": 0.4}, "accuracy_after": {"sampled": 0.7, "greedy": 0.9},
+               "temperature": 1.0, "steps": 3, "weight_version": 4, "rollout_tokens_per_second": 100.0,
+               "train_seconds": 1.0, "generation_share": 0.5, "weight_sync_seconds_mean": 0.001,
+               "wandb_run_dir": directory, "wandb_offline": offline}
+    out = io.StringIO()
+    report(summary, out, tmp_path / "summary.json")
+    text = out.getvalue()
+    assert f"summary: {tmp_path / 'summary.json'}" in text
+    assert f"W&B run: {directory}" in text and f"wandb sync {directory}" in text
 
 
 @pytest.mark.parametrize("command", ["demo", "serve"])

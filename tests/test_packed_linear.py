@@ -1,16 +1,20 @@
 """The engine's oneDNN-packed linear weights never go stale: in-place training of a shared module and weight updates
-through the engine both reach the next forward."""
+through the engine both reach the next forward; only the dtypes this CPU can pack are packed."""
+
+import dataclasses
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts, run_engine, tiny_model
 from rollout import ContinuousBatchingConfig, LLMEngine
-from rollout.engine import model_runner
+from rollout.engine import packed_linear
+from rollout.engine.cpu_features import cpu_features
 from rollout.engine.packed_linear import PackedLinears, packing_available
+from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+# fp32 packs wherever torch has oneDNN (every x86-64 CPU); these tests exercise the packed copies themselves
+needs_fp32_packing = pytest.mark.skipif(not packing_available(torch.float32), reason="torch built without oneDNN")
 
 NEW = 10
 
@@ -31,6 +35,7 @@ def _engine(model):
                      ContinuousBatchingConfig(page_size=8, allow_block_sharing=False))
 
 
+@needs_fp32_packing
 def test_an_optimizer_step_on_a_shared_module_is_seen():
     model = tiny_model("qwen3")
     prompt = random_prompts([15], seed=2)[0]
@@ -46,6 +51,7 @@ def test_an_optimizer_step_on_a_shared_module_is_seen():
     assert _greedy(engine, prompt) != before, "the update must be large enough to change the greedy tokens"
 
 
+@needs_fp32_packing
 def test_a_write_through_data_and_a_version_bump_is_seen():
     model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=5)
     prompt = random_prompts([15], seed=3)[0]
@@ -58,30 +64,34 @@ def test_a_write_through_data_and_a_version_bump_is_seen():
     _assert_follows(engine, other, prompt)
 
 
-def test_only_cpu_fp32_and_bf16_weights_are_packed():
-    model = tiny_model("qwen3").to(torch.float16)
-    engine = _engine(model)
+def _packed_count(engine) -> int | None:
+    linears = engine.runner.linears
+    return len(linears._packs) if isinstance(linears, PackedLinears) else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_only_cpu_fp32_and_bf16_weights_are_packed(dtype):
+    """fp16 never; bf16 only where oneDNN packs it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), else F.linear; fp32 wherever
+    torch has oneDNN. Generation works either way."""
+    engine = _engine(tiny_model("qwen3").to(dtype))
     assert len(_greedy(engine, random_prompts([9], seed=4)[0])) == NEW
-    assert not engine.runner.linears._packs
-    bf16 = _engine(tiny_model("qwen3").to(torch.bfloat16))
-    assert len(_greedy(bf16, random_prompts([9], seed=4)[0])) == NEW
-    assert bf16.runner.linears._packs
-    fp32 = _engine(tiny_model("qwen3"))
-    _greedy(fp32, random_prompts([9], seed=4)[0])
-    linears = [m for m in fp32.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(fp32.runner.linears._packs) == len(linears)
-    fp32.runner.weights_changed()
-    assert not fp32.runner.linears._packs
+    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    expected = len(linears) if cpu_features().packs(dtype) else 0
+    assert _packed_count(engine) == (expected if packing_available() else None)
+    engine.runner.weights_changed()
+    assert not _packed_count(engine)
 
 
 def test_asking_for_packing_without_onednn_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(model_runner, "packing_available", lambda: False)
+    no_onednn = dataclasses.replace(cpu_features(), onednn=False, packed_dtypes=frozenset())
+    monkeypatch.setattr(packed_linear, "cpu_features", lambda: no_onednn)
     with pytest.raises(ValueError, match="prepack_weights=True needs a torch build with oneDNN"):
         LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8, prepack_weights=True))
     engine = LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8))
     assert not isinstance(engine.runner.linears, PackedLinears)
 
 
+@needs_fp32_packing
 def test_the_override_is_scoped_to_the_engine_thread_and_removed_after():
     """While the engine's forward runs, a trainer thread using the same module keeps F.linear and its gradients."""
     import threading
@@ -106,6 +116,7 @@ def test_the_override_is_scoped_to_the_engine_thread_and_removed_after():
     assert not any("forward" in m.__dict__ for m in linears), "the model must be left exactly as it was"
 
 
+@needs_fp32_packing
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 100, 256, 257, 600])
 def test_packed_forward_equals_f_linear_for_any_row_count(rows):
     """Rows are padded up to a bucket for oneDNN (bounded JIT-kernel memory) and cut back; large inputs run in chunks.

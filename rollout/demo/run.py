@@ -15,36 +15,39 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-import torch
+from rollout.loading import DEFAULT_MODEL, load_model, require_extra
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-policy"
+# The only thing a --model error message can suggest besides a valid directory.
+MODEL_ALTERNATIVE = "omit --model to use the embedded policy"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="local path or hub id (default: embedded policy)")
+    """The demo's options (imports nothing heavy, so `rollout --help` stays fast)."""
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="local model directory (with config.json) or "
+                        "hub id (default: the embedded policy)")
     parser.add_argument("--dataset", default=None, help="dataset name or path with prompt/answer columns "
                         "(default: the built-in two-digit addition task)")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--prompt-column", default="prompt")
-    parser.add_argument("--answer-column", default="answer")
+    parser.add_argument("--split", default="train", help="dataset split to train on")
+    parser.add_argument("--prompt-column", default="prompt", help="dataset column with the prompts")
+    parser.add_argument("--answer-column", default="answer", help="dataset column with the reference answers")
     parser.add_argument("--reward", choices=["exact", "contains"], default="exact",
                         help="exact: the stripped completion equals the answer; contains: the answer appears in it")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
-    parser.add_argument("--prompts-per-step", type=int, default=16)
-    parser.add_argument("--num-generations", type=int, default=8, help="GRPO group size")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--max-completion-length", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per optimizer step")
+    parser.add_argument("--num-generations", type=int, default=8, help="GRPO group size (completions per prompt)")
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="optimizer learning rate")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    parser.add_argument("--max-completion-length", type=int, default=8, help="tokens per completion, at most")
     parser.add_argument("--eval-size", type=int, default=200, help="held-out prompts for before/after accuracy")
     parser.add_argument("--eval-samples", type=int, default=4, help="samples per eval prompt")
-    parser.add_argument("--output-dir", default="rollout-demo")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default="rollout-demo", help="where summary.json and the reward plot go")
+    parser.add_argument("--seed", type=int, default=0, help="seed for data, sampling and training")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads on CPU")
-    parser.add_argument("--page-size", type=int, default=16, help="KV cache page size")
+    parser.add_argument("--page-size", type=int, default=16, help="KV cache page size (tokens per block)")
     parser.add_argument("--share-weights", action="store_true", help="generate from the trained module itself")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B (default: offline unless logged in)")
 
@@ -144,7 +147,7 @@ def plot(summary: dict, path: Path) -> Path | None:
     return path
 
 
-def report(summary: dict, out: TextIO) -> None:
+def report(summary: dict, out: TextIO, summary_path: Path | None = None) -> None:
     b, a = summary["accuracy_before"], summary["accuracy_after"]
     lines = [
         "",
@@ -158,6 +161,11 @@ def report(summary: dict, out: TextIO) -> None:
     ]
     if summary.get("plot"):
         lines.append(f"  reward curve: {summary['plot']}")
+    if summary_path is not None:
+        lines.append(f"  summary: {summary_path}")
+    if summary.get("wandb_run_dir"):
+        lines.append(f"  W&B run: {summary['wandb_run_dir']}" + (
+            f"  (offline; upload with: wandb sync {summary['wandb_run_dir']})" if summary.get("wandb_offline") else ""))
     out.write("\n".join(lines) + "\n")
 
 
@@ -211,8 +219,29 @@ def _netrc() -> str:
         return ""
 
 
+def _wandb_run_dir() -> tuple[str, bool] | None:
+    """(directory, offline) of the active W&B run, read before wandb.finish() forgets it; None without a run."""
+    import wandb
+
+    run = wandb.run
+    if run is None:
+        return None
+    directory = getattr(run.settings, "sync_dir", None) or str(Path(run.dir).parent)
+    return str(Path(directory).resolve()), bool(run.offline)
+
+
+def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
+    """`rollout demo`: check the demo extra (MissingExtraError: one line saying what to install), then `run`."""
+    require_extra("demo", "demo", ("trl",))
+    return run(args, out)
+
+
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Train, evaluate before and after, write summary.json (and the plot), print the summary to `out`.
+
+    A bad `--model` raises ModelLoadError (a one-line message) before anything is written.
+    """
+    import torch
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
@@ -222,12 +251,11 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    model, tokenizer = load_model(args.model, dtype, alternative=MODEL_ALTERNATIVE)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     report_to = _wandb_setup(args)
-    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     train, eval_prompts, eval_answers = _load_data(args)
@@ -260,13 +288,16 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     summary = summarize(trainer, before, after, train_seconds)
     summary["temperature"] = args.temperature
     summary["plot"] = str(plot(summary, output_dir / "reward_curve.png") or "")
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if "wandb" in report_to:
+    wandb_run = _wandb_run_dir() if "wandb" in report_to else None
+    if wandb_run is not None:
+        summary["wandb_run_dir"], summary["wandb_offline"] = wandb_run
+    summary_path = output_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2))
+    if wandb_run is not None:
         import wandb
 
-        if wandb.run is not None:
-            wandb.run.summary.update({"accuracy_before": before["sampled"], "accuracy_after": after["sampled"]})
-            wandb.finish()
+        wandb.run.summary.update({"accuracy_before": before["sampled"], "accuracy_after": after["sampled"]})
+        wandb.finish()
     generator.close()
-    report(summary, out)
+    report(summary, out, summary_path)
     return summary

@@ -6,8 +6,21 @@ buffer before SDPA reads it again, so each key is moved three times; the kernel 
 needs no per-bucket masks or per-request calls. It is plain C with OpenMP (no torch headers), so it compiles in about
 a second; the library shares torch's OpenMP runtime, so the two thread pools never fight over the cores.
 
-When no compiler is available, the build fails, the dtype is not fp32/bf16, or `ROLLOUT_CPU_KERNEL=0` is set, the
-engine uses the PyTorch path in attention.py; the reason is logged once.
+Portability: the library is built for `-march=native` by default; `ROLLOUT_KERNEL_MARCH` picks another target
+(e.g. `x86-64-v2`, which every x86-64 CPU since about 2009 runs, or `x86-64-v3` for AVX2 machines) and is part of the
+build cache key. The C source has no intrinsics, so every target gets the same portable code, auto-vectorized for its
+ISA. After loading, the library reports what it was compiled for (rollout_kernel_features); if that needs a flag the
+running CPU lacks (say an AVX-512 build in a cache shared with an AVX2 machine), it is not used: it would die on
+SIGILL. CPU flags come from CPUID via cpu_features.isa_flags.
+
+OpenMP: if the compiler or its OpenMP runtime cannot build with -fopenmp (e.g. clang without libomp), the kernel is
+built again without it and runs single-threaded, with the same results (its work split never changes the numbers);
+a warning says so and how to get OpenMP. On a many-core machine the multi-threaded PyTorch path may then be faster:
+`ROLLOUT_CPU_KERNEL=0` selects it.
+
+When no compiler is available, the build fails, the library does not fit this CPU, the dtype is not fp32/bf16, or
+`ROLLOUT_CPU_KERNEL=0` is set, the engine uses the PyTorch path in attention.py; the reason is logged once and shows
+in the CPU summary line (cpu_features.py).
 """
 
 from __future__ import annotations
@@ -26,30 +39,53 @@ from pathlib import Path
 
 import torch
 
+from rollout.engine.cpu_features import KernelBuild, cpu_features, isa_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 ENV_SWITCH = "ROLLOUT_CPU_KERNEL"
 ENV_CACHE_DIR = "ROLLOUT_KERNEL_CACHE"
-# -ffast-math lets expf/tanhf vectorize; it is given to the compile step only, so the link does not add the
-# crtfastmath startup code that would flush denormals for the whole process.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+ENV_MARCH = "ROLLOUT_KERNEL_MARCH"
+DEFAULT_MARCH = "native"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Bits of rollout_kernel_features() in the C source, and the CPU flag (cpu_features.ISA_FLAGS) each one needs.
+FEATURE_BITS = {"openmp": 1, "sse4.2": 2, "avx": 4, "avx2": 8, "fma": 16, "avx512f": 32, "avx512bf16": 64,
+                "neon": 128}
+CPU_FLAG_NEEDED = {"sse4.2": "sse4_2", "avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f",
+                   "avx512bf16": "avx512_bf16"}
+WIDEST_FIRST = ("avx512f", "avx2", "avx", "sse4.2", "neon")
+
+_unavailable = {"reason": "not loaded yet"}  # why the last load_kernel() returned None, for kernel_build()
+
+
+def kernel_march() -> str:
+    """The -march the kernel is built for: $ROLLOUT_KERNEL_MARCH, else native."""
+    return os.environ.get(ENV_MARCH, "").strip() or DEFAULT_MARCH
+
+
+def _flags(march: str, openmp: bool) -> tuple[list[str], list[str]]:
+    """Compile and link flags. -ffast-math lets expf/tanhf vectorize; it is given to the compile step only, so the
+    link does not add the crtfastmath startup code that would flush denormals for the whole process."""
+    omp = ["-fopenmp"] if openmp else []
+    return ["-O3", f"-march={march}", "-ffast-math", *omp, "-fPIC", "-std=c11"], ["-shared", *omp, "-lm"]
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _cpu_signature() -> str:
-    """-march=native code must not run on another CPU: the cache key includes this machine's CPU flags."""
+def _cpu_signature(march: str) -> str:
+    """-march=native code must not run on another CPU: for it the cache key includes this machine's CPU flags (from
+    /proc/cpuinfo, and from CPUID, which differ under an emulator). A named -march builds the same code anywhere."""
+    if march != "native":
+        return platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    return platform.machine() + flags
+    return platform.machine() + flags + " ".join(sorted(isa_flags()))
 
 
 def _cache_dir() -> Path:
@@ -58,12 +94,13 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, march: str, openmp: bool) -> Path:
     """Compile (or reuse) the shared library; returns its path. Raises CalledProcessError/OSError on failure."""
     source = SOURCE.read_bytes()
+    compile_flags, link_flags = _flags(march, openmp)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(compile_flags + link_flags).encode(),
+                                     _cpu_signature(march).encode()])).hexdigest()[:16]
     name = f"paged_attention-{key}.so"
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"rollout-kernels-{os.getuid()}"):
         if (folder / name).exists():
@@ -77,42 +114,106 @@ def _build(compiler: str) -> Path:
     target = folder / name
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / "paged_attention.so"
-        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                    [compiler, str(obj), *LINK_FLAGS, "-o", str(lib)]):
+        for cmd in ([compiler, *compile_flags, "-c", str(SOURCE), "-o", str(obj)],
+                    [compiler, str(obj), *link_flags, "-o", str(lib)]):
             subprocess.run(cmd, capture_output=True, text=True, check=True)
         os.replace(lib, target)  # atomic: concurrent builders each publish a complete library
     return target
 
 
-@functools.lru_cache(maxsize=1)
-def load_kernel() -> ctypes.CDLL | None:
-    """The kernel library, or None (with the reason logged once) when it cannot be used here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("CPU attention kernel disabled by %s=0; using the PyTorch path", ENV_SWITCH)
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found (set CC or install gcc): CPU attention uses the slower PyTorch path")
-        return None
+def _build_any(compiler: str, march: str) -> tuple[Path, bool]:
+    """Build with OpenMP, else without it (single-threaded); returns (library, has OpenMP). Raises like _build."""
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return _build(compiler, march, openmp=True), True
     except subprocess.CalledProcessError as err:
-        logger.warning("building the CPU attention kernel failed; using the PyTorch path.\n%s\n%s",
-                       " ".join(err.cmd), err.stderr)
-        return None
-    except OSError as err:
-        logger.warning("could not build or load the CPU attention kernel (%s); using the PyTorch path", err)
-        return None
+        omp_error = (err.stderr or "").strip().splitlines()
+    path = _build(compiler, march, openmp=False)
+    logger.warning("the C compiler could not build with OpenMP (%s); the CPU attention kernel runs single-threaded. "
+                   "For multi-threaded attention install the compiler's OpenMP runtime (libgomp for gcc, libomp for "
+                   "clang), or set %s=0 to use the PyTorch path", omp_error[0] if omp_error else "no message",
+                   ENV_SWITCH)
+    return path, False
+
+
+def compiled_features(lib: ctypes.CDLL) -> frozenset[str]:
+    """What a loaded library was compiled for (the FEATURE_BITS names its rollout_kernel_features() reports)."""
+    bits = lib.rollout_kernel_features()
+    return frozenset(name for name, bit in FEATURE_BITS.items() if bits & bit)
+
+
+def _missing_cpu_flags(compiled: frozenset[str]) -> list[str]:
+    """CPU flags the library needs that this CPU lacks (none when the CPU's flags are unknown)."""
+    cpu = isa_flags()
+    if not cpu:
+        return []
+    return [CPU_FLAG_NEEDED[name] for name in sorted(compiled) if name in CPU_FLAG_NEEDED
+            and CPU_FLAG_NEEDED[name] not in cpu]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.rollout_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
                    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """Build and load the library; returns it, or None and why not (already logged)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        logger.info("CPU attention kernel disabled by %s=0; using the PyTorch path", ENV_SWITCH)
+        return None, f"disabled by {ENV_SWITCH}=0"
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found (set CC or install gcc): CPU attention uses the slower PyTorch path")
+        return None, "no C compiler found"
+    march = kernel_march()
+    try:
+        path, _ = _build_any(compiler, march)
+        lib = ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as err:
+        logger.warning("building the CPU attention kernel failed; using the PyTorch path.\n%s\n%s",
+                       " ".join(err.cmd), err.stderr)
+        return None, f"build failed for -march={march}"
+    except OSError as err:
+        logger.warning("could not build or load the CPU attention kernel (%s); using the PyTorch path", err)
+        return None, f"could not build or load it: {err}"
+    missing = _missing_cpu_flags(compiled_features(lib))
+    if missing:
+        logger.warning("the CPU attention kernel built for -march=%s needs %s, which this CPU lacks; using the "
+                       "PyTorch path (set %s to a target this CPU runs, e.g. x86-64-v2)", march,
+                       ", ".join(missing), ENV_MARCH)
+        return None, f"-march={march} needs {', '.join(missing)}, which this CPU lacks"
+    _declare(lib)
+    lib._rollout_march = march
+    return lib, ""
+
+
+@functools.lru_cache(maxsize=1)
+def load_kernel() -> ctypes.CDLL | None:
+    """The kernel library, or None (with the reason logged once) when it cannot be used here."""
+    lib, reason = _load()
+    _unavailable["reason"] = reason
     return lib
 
 
+def kernel_build() -> KernelBuild:
+    """How the loaded kernel was built (-march, widest vector ISA compiled in, OpenMP), or why there is none."""
+    lib = load_kernel()
+    if lib is None:
+        return KernelBuild(False, reason=_unavailable["reason"])
+    compiled = compiled_features(lib)
+    fallback = "sse2" if platform.machine().lower() in ("x86_64", "amd64") else "scalar"
+    isa = next((name for name in WIDEST_FIRST if name in compiled), fallback)
+    return KernelBuild(True, march=lib._rollout_march, isa=isa, openmp="openmp" in compiled)
+
+
 def kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel can serve a cache of this device and dtype (it is built on the first call)."""
-    return device.type == "cpu" and dtype in DTYPES and load_kernel() is not None
+    """Whether the kernel can serve a cache of this device and dtype (it is built on the first call). The first
+    CPU engine also gets the one-line CPU summary logged here (cpu_features())."""
+    if device.type != "cpu":
+        return False
+    cpu_features()
+    return dtype in DTYPES and load_kernel() is not None
 
 
 @dataclass

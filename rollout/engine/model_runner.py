@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -12,8 +13,29 @@ from rollout.engine.attention import AttentionBatch, DecodeBucket, GatherScratch
 from rollout.engine.cpu_kernel import KernelBatch, kernel_usable
 from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.packed_linear import PackedLinears, packing_available
+from rollout.engine.packed_linear import PackedLinears, packing_available, require_packing
+from rollout.engine.request import Request
 from rollout.engine.step import StepPlan
+from rollout.sampling_params import resolve_sampling
+
+logger = logging.getLogger(__name__)
+
+# Families whose greedy tokens match transformers' own generate: the first five in tests/test_greedy_equivalence.py,
+# the others checked once with tiny random configs under transformers 5.x.
+KNOWN_GOOD_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "GPT-2", "Gemma 2", "Phi-3", "GPT-NeoX", "OPT", "OLMo 2")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention does not go through transformers' attention interface, so the engine cannot page it."""
+
+
+def _unsupported_message(model: torch.nn.Module, problem: str) -> str:
+    name = type(model).__name__
+    return (f"{name} cannot run in rollout's engine: {problem}. The engine plugs its paged KV cache in through "
+            f"transformers' AttentionInterface (the model must honour attn_implementation and pass its keyword "
+            f"arguments down to every attention layer); transformers marks such model classes with "
+            f"`_supports_attention_backend = True`, and {name} does not set it. Use a model whose attention goes "
+            f"through that interface, e.g. {', '.join(KNOWN_GOOD_FAMILIES)}.")
 
 
 @contextlib.contextmanager
@@ -58,15 +80,53 @@ class ModelRunner:
             and kernel_usable(cache.device, cache.dtype)
         if attention_kernel and not self.use_kernel:
             raise ValueError(f"cpu_attention_kernel=True but the CPU attention kernel cannot serve this cache "
-                             f"({cache.device}, {cache.dtype}): it needs a CPU fp32/bf16 cache and a C compiler with "
-                             f"OpenMP (see the log for the build error); leave it None to fall back automatically")
+                             f"({cache.device}, {cache.dtype}): it needs a CPU fp32/bf16 cache, a C compiler and a "
+                             f"library built for this CPU (see the log for the reason); leave it None to fall back "
+                             "automatically")
         self.scratch = GatherScratch()
         if prepack_weights is None:
             prepack_weights = cache.device.type == "cpu" and packing_available()
-        elif prepack_weights and not packing_available():
-            raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
-                             "leave it None to use packing only where it is available")
+        elif prepack_weights:
+            require_packing(model)  # ValueError naming what this torch build / CPU cannot pack
         self.linears = PackedLinears(model) if prepack_weights else contextlib.nullcontext()
+
+    def check_attention(self) -> None:
+        """Raise UnsupportedModelError unless every layer's attention runs through the engine's paged function.
+
+        Otherwise every request would fail at its first forward (or, worse, attend over the packed batch without the
+        cache). Classes that declare transformers' attention-backend support pass at once; for any other class a
+        one-token dry run must call the paged function exactly once per KV-cache layer.
+        """
+        if getattr(self.model, "_supports_attention_backend", False):  # wrappers (PEFT) forward the attribute
+            return
+        num_layers = self.cache.shape.num_layers
+        try:
+            calls, rows = self._dry_run()
+        except Exception as err:
+            raise UnsupportedModelError(_unsupported_message(
+                self.model, f"a one-token dry run with the engine's attention raised {err!r}")) from err
+        if sorted(calls) != list(range(num_layers)) or rows != 1:
+            raise UnsupportedModelError(_unsupported_message(
+                self.model, f"a one-token dry run called the engine's attention for layers {sorted(calls)} (expected "
+                            f"each of its {num_layers} layers once) and returned {rows} logit rows (expected 1)"))
+        logger.warning("%s does not declare transformers' attention-backend support, but a one-token dry run sent "
+                       "all %d layers through the engine's attention; serving it (known to work: %s)",
+                       type(self.model).__name__, num_layers, ", ".join(KNOWN_GOOD_FAMILIES))
+
+    def _dry_run(self) -> tuple[list[int], int]:
+        """One forward of one token written to slot 0 (no request owns a block yet): the layer indices that reached
+        the paged attention, and how many logit rows came back."""
+        probe = Request("attention-check", [0], resolve_sampling(None, None))
+        probe.block_table = [0]
+        plan = StepPlan()
+        plan.add(probe, 1)
+        inputs, keep = self.build_batch(plan)
+        calls: list[int] = []
+        inputs["rollout_batch"].calls = calls
+        with torch.inference_mode(), engine_attention(self.model), eval_mode(self.model):
+            out = self.model(**inputs, logits_to_keep=keep, use_cache=False)
+        logits = getattr(out, "logits", None)
+        return calls, (int(logits.shape[-2]) if isinstance(logits, torch.Tensor) and logits.dim() == 3 else -1)
 
     def weights_changed(self) -> None:
         """New weights are in place: drop packed copies (writes through `.data` do not bump version counters)."""

@@ -14,19 +14,22 @@ W1 run). Copies are keyed by the weight tensor and its version counter, so an op
 (in-place writes bump the counter) repacks it on the next forward; writes through `.data` do not bump it, so every
 weight update through the engine (`set_weight_version`, which `update_weights` calls) drops all copies. The cost is
 one extra copy of the linear weights in RAM.
+
+Which dtypes: decided once per process by cpu_features.py, which packs a small weight of each dtype and checks the
+result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
+keep `F.linear` (the same tokens, unpacked) while fp32 ones are packed. An explicit `prepack_weights=True` for a
+model whose dtype cannot be packed here is a ValueError (require_packing) rather than a silent no-op.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import threading
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from rollout.engine.cpu_features import cpu_features
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
 # oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to one of ~20
@@ -44,27 +47,45 @@ def padded_rows(rows: int) -> int:
     return -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
-@functools.lru_cache(maxsize=1)
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear (and it agrees with F.linear on a small case)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w, x = torch.randn(8, 16), torch.randn(3, 16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(out, F.linear(x, w), atol=1e-5))
-    except (RuntimeError, AttributeError) as err:
-        logger.info("oneDNN packed linear unavailable (%s); using F.linear", err)
-        return False
+def packing_available(dtype: torch.dtype | None = None) -> bool:
+    """Whether oneDNN's packed linear works here for `dtype` (None: for any of PACKED_DTYPES), as probed once per
+    process by cpu_features()."""
+    packed = cpu_features().packed_dtypes
+    return bool(packed) if dtype is None else dtype in packed
+
+
+def _linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """The PACKED_DTYPES among the CPU weights of the plain nn.Linears that PackedLinears would serve."""
+    return {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
+            and type(m).forward is torch.nn.Linear.forward and m.weight.device.type == "cpu"
+            and m.weight.dtype in PACKED_DTYPES}
+
+
+def require_packing(model: torch.nn.Module) -> None:
+    """For an explicit prepack_weights=True: a ValueError saying what is missing when this torch build or CPU cannot
+    pack the model's linear weights (None packs what it can and leaves the rest on F.linear)."""
+    features = cpu_features()
+    if not features.onednn:
+        raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
+                         "leave it None to use packing only where it is available")
+    missing = sorted(_linear_dtypes(model) - features.packed_dtypes, key=str)
+    if missing:
+        dtype = missing[0]
+        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT)" \
+            if dtype == torch.bfloat16 else ""
+        raise ValueError(f"prepack_weights=True, but oneDNN cannot pack {dtype} linear weights on this CPU{need}: "
+                         f"{features.packing_error(dtype)}. Leave prepack_weights None to pack only the dtypes this "
+                         f"CPU supports ({dtype} linears then run on F.linear), or set it to False")
 
 
 class PackedLinears:
     """Context manager around the engine's forward: plain fp32/bf16 CPU `nn.Linear`s of `model` run on packed
     weights."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, dtypes: frozenset[torch.dtype] | None = None) -> None:
         self.model = model
+        # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu_features.py)
+        self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
         # id(weight) -> (weakref to the weight, data_ptr, version, packed copy)
         self._packs: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
@@ -120,7 +141,7 @@ class PackedLinears:
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
             if getattr(this._active, "on", False) and x.numel() and x.dtype == weight.dtype \
-                    and weight.dtype in PACKED_DTYPES and weight.device.type == "cpu" \
+                    and weight.dtype in this.dtypes and weight.device.type == "cpu" \
                     and weight.layout == torch.strided:
                 return this.linear(x, weight, module.bias)
             return F.linear(x, weight, module.bias)

@@ -1,13 +1,8 @@
-"""`python -m rollout.server --model DIR`: serve a local checkpoint (same options as the CLI's serve command)."""
+"""`python -m rollout.server --model DIR`: the same command as `rollout serve`."""
 
-import argparse
+import sys
 
-from rollout.server.app import build_parser_args, serve
-
-
-def main() -> None:
-    serve(build_parser_args(argparse.ArgumentParser(prog="python -m rollout.server")).parse_args())
-
+from rollout.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main(["serve", *sys.argv[1:]]))

@@ -11,6 +11,12 @@
  *
  * Built at first use by rollout/engine/cpu_kernel.py with the system C compiler and OpenMP (the library shares
  * torch's OpenMP runtime: libgomp is already loaded under the same soname when this library is opened).
+ *
+ * Portable C only, no intrinsics: the vector ISA is whatever -march the build asks for (native by default, or
+ * ROLLOUT_KERNEL_MARCH, e.g. x86-64-v2 / x86-64-v3), reached through auto-vectorization. Without OpenMP (a compiler
+ * that rejects -fopenmp) the pragmas are ignored and the kernel runs single-threaded with the same results: the
+ * work items and their arithmetic do not depend on the thread count. rollout_kernel_features() reports what this
+ * build has, so the loader can refuse a library whose ISA the running CPU lacks (it would die on SIGILL).
  */
 #include <math.h>
 #include <stdint.h>
@@ -127,6 +133,45 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[h * d + i] * inv);
         }
     }
+}
+
+/* Bits of rollout_kernel_features(): what the compiler targeted for this build (its predefined macros). */
+#define FEATURE_OPENMP 1
+#define FEATURE_SSE4_2 2
+#define FEATURE_AVX 4
+#define FEATURE_AVX2 8
+#define FEATURE_FMA 16
+#define FEATURE_AVX512F 32
+#define FEATURE_AVX512BF16 64
+#define FEATURE_NEON 128
+
+int rollout_kernel_features(void) {
+    int features = 0;
+#ifdef _OPENMP
+    features |= FEATURE_OPENMP;
+#endif
+#ifdef __SSE4_2__
+    features |= FEATURE_SSE4_2;
+#endif
+#ifdef __AVX__
+    features |= FEATURE_AVX;
+#endif
+#ifdef __AVX2__
+    features |= FEATURE_AVX2;
+#endif
+#ifdef __FMA__
+    features |= FEATURE_FMA;
+#endif
+#ifdef __AVX512F__
+    features |= FEATURE_AVX512F;
+#endif
+#ifdef __AVX512BF16__
+    features |= FEATURE_AVX512BF16;
+#endif
+#if defined(__ARM_NEON) || defined(__ARM_NEON__)
+    features |= FEATURE_NEON;
+#endif
+    return features;
 }
 
 /* Returns 0, or -1 when a thread could not get its scratch memory. */

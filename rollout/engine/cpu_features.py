@@ -1,0 +1,171 @@
+"""What this CPU and this torch build can run fast, decided once per process and logged once as one line.
+
+Why: the engine's CPU fast paths depend on the instruction set. oneDNN packs bf16 linear weights only with AVX-512
+(BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU (many AMD EPYC/Ryzen, older Intel) `_reorder_linear_weight`
+raises for bf16 while fp32 packs fine. So each dtype is probed by actually packing a small weight and comparing the
+packed matmul with `F.linear`: the probe, not the CPU flags, decides, and a dtype that fails keeps `F.linear` (same
+tokens, just unpacked). torch's own bf16 device check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is recorded as
+an extra signal only.
+
+ISA flags come from torch's CPUID reader (`torch.cpu.get_capabilities`), which sees the CPU the code actually runs on,
+also under an emulator (qemu-user shows the host's /proc/cpuinfo); /proc/cpuinfo is only the fallback for torch
+builds without it. The C attention kernel's build (its -march, the vector ISA compiled in, OpenMP) is described by
+`rollout.engine.cpu_kernel.kernel_build`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# The flags that matter to our fast paths (names as torch.cpu.get_capabilities spells them).
+ISA_FLAGS = ("sse4_2", "avx2", "fma3", "avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16",
+             "avx_ne_convert", "amx_tile", "amx_bf16", "neon", "sve")
+# /proc/cpuinfo spellings that differ from torch's
+_PROC_NAMES = {"fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
+               "avx512dq": "avx512_dq", "asimd": "neon"}
+PROBE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """How the C attention kernel was built and loaded here, or why it is not used."""
+
+    available: bool
+    march: str = ""
+    isa: str = ""  # widest vector ISA compiled in: avx512f, avx2, avx, sse4.2, sse2, neon or scalar
+    openmp: bool = False
+    reason: str = ""  # why it is unavailable (empty when available)
+
+    def describe(self) -> str:
+        if not self.available:
+            return f"unavailable ({self.reason})"
+        return f"-march={self.march} {self.isa}, {'OpenMP' if self.openmp else 'single-threaded (no OpenMP)'}"
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The CPU facts and probe results that decide which fast paths the engine uses on this machine."""
+
+    machine: str  # platform.machine(), e.g. x86_64
+    cpu_name: str
+    isa: frozenset[str]  # the ISA_FLAGS this CPU has
+    torch_capability: str  # torch.backends.cpu.get_cpu_capability(): the vector ISA of torch's own CPU kernels
+    onednn: bool  # torch.backends.mkldnn.is_available()
+    onednn_bf16_device: bool | None  # torch's bf16 device check; None where this torch has none
+    packed_dtypes: frozenset[torch.dtype]  # dtypes whose packed-linear probe passed
+    packing_errors: tuple[tuple[str, str], ...] = ()  # (dtype name, why its probe failed)
+    kernel: KernelBuild = field(default_factory=lambda: KernelBuild(False, reason="not probed"))
+
+    def packs(self, dtype: torch.dtype) -> bool:
+        """Whether linear weights of `dtype` can be oneDNN-packed here."""
+        return dtype in self.packed_dtypes
+
+    def packing_error(self, dtype: torch.dtype) -> str:
+        """Why `dtype` cannot be packed here ("" when it can)."""
+        return dict(self.packing_errors).get(_name(dtype), "")
+
+    def describe(self) -> str:
+        """One line: the CPU, torch's ISA level, packed linears per dtype (with why not), the attention kernel."""
+        flags = " ".join(f for f in ISA_FLAGS if f in self.isa) or "none of interest"
+        packing = ", ".join(_packing_word(self, dtype) for dtype in PROBE_DTYPES)
+        if not self.onednn:
+            packing = "unavailable (torch built without oneDNN)"
+        return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
+                f"oneDNN packed linear: {packing}; attention kernel: {self.kernel.describe()}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _packing_word(features: CpuFeatures, dtype: torch.dtype) -> str:
+    if features.packs(dtype):
+        return f"{_name(dtype)} yes"
+    word = f"{_name(dtype)} no ({features.packing_error(dtype)})"
+    if dtype == torch.bfloat16 and features.onednn_bf16_device is False:
+        word += " [torch's bf16 device check agrees]"
+    return word
+
+
+@functools.lru_cache(maxsize=1)
+def isa_flags() -> frozenset[str]:
+    """The ISA_FLAGS of the CPU this process runs on (CPUID through torch; /proc/cpuinfo where torch lacks it)."""
+    try:
+        caps = torch.cpu.get_capabilities()
+        return frozenset(name for name in ISA_FLAGS if caps.get(name) is True)
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    names = {_PROC_NAMES.get(word, word) for word in line.partition(":")[2].split()}
+    return frozenset(name for name in ISA_FLAGS if name in names)
+
+
+def _cpu_name() -> str:
+    try:
+        return str(torch.cpu.get_capabilities().get("cpu_name", ""))
+    except (AttributeError, RuntimeError):
+        return platform.processor()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:200]
+
+
+def probe_packed_linear(dtype: torch.dtype) -> str:
+    """Pack a small weight of `dtype` with oneDNN and run it; returns "" when the result equals F.linear exactly,
+    else why not. Small integer values keep every product and sum exact, so any difference is a real fault."""
+    from rollout.engine.packed_linear import PACK_BATCH_HINT
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-2, 3, (8, 16), generator=g).to(dtype)
+    x = torch.randint(-2, 3, (3, 16), generator=g).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError) as err:
+        return _first_line(err)
+    if out.dtype != dtype or not torch.equal(out, F.linear(x, w)):
+        return "the packed result differs from F.linear"
+    return ""
+
+
+def _onednn_bf16_device() -> bool | None:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def detect() -> CpuFeatures:
+    """Probe everything now (uncached): the packed linears per dtype and the attention kernel build."""
+    from rollout.engine.cpu_kernel import kernel_build
+
+    onednn = torch.backends.mkldnn.is_available()
+    errors = {_name(d): probe_packed_linear(d) if onednn else "torch built without oneDNN" for d in PROBE_DTYPES}
+    return CpuFeatures(
+        machine=platform.machine(), cpu_name=_cpu_name(), isa=isa_flags(),
+        torch_capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn,
+        onednn_bf16_device=_onednn_bf16_device(),
+        packed_dtypes=frozenset(d for d in PROBE_DTYPES if not errors[_name(d)]),
+        packing_errors=tuple((name, why) for name, why in errors.items() if why), kernel=kernel_build())
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> CpuFeatures:
+    """This process's CpuFeatures, detected on first use (which logs the one-line summary at INFO)."""
+    features = detect()
+    logger.info("CPU fast paths: %s", features.describe())
+    return features
