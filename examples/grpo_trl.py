@@ -8,6 +8,7 @@ On a GPU, point it at any causal LM with --model (bf16 is picked automatically w
 """
 
 import argparse
+import logging
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,7 +25,11 @@ def main() -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--output-dir", default="grpo-trl-example")
+    parser.add_argument("--old-logprobs", default="auto", choices=["auto", "engine", "recompute"],
+                        help="where TRL's old_per_token_logps come from (auto: the engine's when it is exact)")
     args = parser.parse_args()
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trainer_hooks").setLevel(logging.INFO)  # says which old-logprob path runs, and why
 
     cuda = torch.cuda.is_available()
     bf16 = cuda and torch.cuda.is_bf16_supported()  # TRL defaults to bf16=True, which fails on a CPU-only machine
@@ -39,6 +44,7 @@ def main() -> None:
         model=model, reward_funcs=task.reward, args=config, train_dataset=task.make_dataset(4096),
         processing_class=tokenizer,
         rollout_config=ContinuousBatchingConfig(page_size=16),  # the engine's KV cache, kept across steps
+        rollout_old_logprobs=args.old_logprobs,  # fp32 on CPU: the engine's logprobs replace TRL's extra forward
     )
     trainer.train()
 

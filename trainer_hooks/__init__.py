@@ -12,7 +12,7 @@ __all__ = ["RolloutGRPOTrainer", "RolloutRLOOTrainer", "WeightSync", "WeightSync
 
 
 def __getattr__(name):
-    if name in ("RolloutGRPOTrainer", "RolloutRLOOTrainer", "RolloutTRLGeneration"):
+    if name in ("RolloutGRPOTrainer", "RolloutRLOOTrainer", "RolloutTRLGeneration", "OLD_LOGPROB_MODES"):
         from trainer_hooks import trl as _trl
 
         return getattr(_trl, name)

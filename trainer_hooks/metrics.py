@@ -11,10 +11,12 @@ logger = logging.getLogger(__name__)
 
 
 def rollout_metrics(batch: RolloutBatch, sync_seconds: float | None = None, prefix: str = "rollout/") -> dict:
-    """Flat float metrics of one generation step (keys prefixed for the trainer's or W&B's namespace)."""
+    """Flat float metrics of one generation step (keys prefixed for the trainer's or W&B's namespace).
+
+    `batch.stats` is the generator's window of `EngineStats.as_dict()` (plus seconds and tokens/s); a remote batch
+    carries only what the server reports, and missing figures are 0."""
     stats = batch.stats
     lengths = [len(s.completion_ids) for s in batch.samples] or [0]
-    prompt_work = stats.get("prefill_tokens", 0) + stats.get("prefix_hit_tokens", 0)
     reasons = Counter(s.finish_reason for s in batch.samples)
     out = {
         "tokens_per_second": stats.get("tokens_per_second", 0.0),
@@ -22,8 +24,8 @@ def rollout_metrics(batch: RolloutBatch, sync_seconds: float | None = None, pref
         "prefill_tokens": stats.get("prefill_tokens", 0),
         "decode_tokens": stats.get("decode_tokens", 0),
         "generated_tokens": stats.get("generated_tokens", 0),
-        "prefix_cache_hit_rate": stats.get("prefix_hit_tokens", 0) / prompt_work if prompt_work else 0.0,
-        "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+        "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),  # as defined by EngineStats
+        "kv_cache_usage": stats.get("peak_kv_cache_usage", 0.0),  # the peak over the generation call
         "preemptions": stats.get("preemptions", 0),
         "weight_version": stats.get("weight_version", 0),
         "completion_length/mean": sum(lengths) / len(lengths),

@@ -5,10 +5,18 @@ per global step, before generation) and `generate(prompts, images, num_generatio
 with that contract, so everything else in TRL (its sampling settings, the importance-sampling correction, profiling,
 metrics, eval, the tool-calling loop) runs unchanged. Weight sync walks TRL's own parameter iteration, so ZeRO-3
 gathering, FSDP and PEFT merge/unmerge keep working. This touches TRL internals, hence the pinned version range.
+
+In vLLM mode TRL recomputes `old_per_token_logps` with a forward pass over the whole generation batch, for its
+importance-sampling correction. When the engine computed exactly that (see `_RolloutMixin`), the trainer hands TRL the
+engine's per-token policy logprobs instead: `_get_per_token_logps_and_entropies` answers that one call from them, and
+TRL computes its correction from them as usual (the ratio is then exactly 1). The same override scores the loss's
+forward on rows of similar length with their shared padding cut off, so varied completion lengths stop costing the
+padded batch's compute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from itertools import groupby
@@ -17,9 +25,12 @@ import torch
 from packaging.version import Version
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.openai_params import sampling_overrides
 from rollout.rl.generator import RolloutBatch, RolloutGenerator, RolloutSample
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.metrics import rollout_metrics
+from trainer_hooks.old_logprobs import PendingOldLogps, inexact_reason
+from trainer_hooks.padding import unpadded_logps
 from trainer_hooks.sync import unwrap
 
 logger = logging.getLogger(__name__)
@@ -44,12 +55,13 @@ _trl = _require_trl()
 from trl import GRPOTrainer, RLOOTrainer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-# vLLM-style generation_kwargs TRL users write, mapped onto SamplingParams fields.
-_KWARG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "stop": "stop_strings"}
-_IGNORED_KWARGS = {"n", "logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens"}
 # SamplingParams fields a `rollout serve` process takes in a completion request (it applies the tokenizer's EOS).
 _REMOTE_FIELDS = {"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
                   "min_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos"}
+
+
+# Where TRL's old_per_token_logps come from: see _RolloutMixin.
+OLD_LOGPROB_MODES = ("auto", "engine", "recompute")
 
 
 class RolloutTRLGeneration(VLLMGeneration):
@@ -60,9 +72,11 @@ class RolloutTRLGeneration(VLLMGeneration):
 
     def __init__(self, trainer, rollout_config: ContinuousBatchingConfig | None, share_weights: bool,
                  dtype: torch.dtype | None, logprobs: str = "policy",
-                 server_url: str | None = None):  # noqa: D107 - no super(): it starts vLLM
+                 server_url: str | None = None, old_logprobs: str = "auto"):  # no super(): it starts vLLM
         if logprobs not in ("policy", "sampled"):
             raise ValueError(f"rollout_logprobs must be 'policy' or 'sampled', got {logprobs!r}")
+        if old_logprobs not in OLD_LOGPROB_MODES:
+            raise ValueError(f"rollout_old_logprobs must be one of {OLD_LOGPROB_MODES}, got {old_logprobs!r}")
         self.trainer = trainer
         self.model = trainer.model
         self.accelerator = trainer.accelerator
@@ -95,6 +109,18 @@ class RolloutTRLGeneration(VLLMGeneration):
         self.sampling_params = self._sampling_params(trainer)
         self.last_sync_seconds: float | None = None
         self.last_batch: RolloutBatch | None = None
+        self.old_logprobs_mode = old_logprobs
+        self.old_logprobs_static_reason = self._inexact_reason(trainer)
+        self._synced_step: int | None = None  # trainer.state.global_step at our last sync
+        self._synced_version: int | None = None  # engine weight version right after it
+        self._pending_old: PendingOldLogps | None = None
+        self._last_decision: tuple[bool, str] | None = None
+        self._threads = torch.get_num_threads()
+        if self.generator is not None and not share_weights:
+            # The engine's loop thread sizes its OpenMP team once, at its first parallel region; a later
+            # torch.set_num_threads() in the trainer's thread would not reach it. This hook, run on the loop thread
+            # before each forward of the private copy, keeps both at the trainer's count.
+            _first_module(self.generator.model).register_forward_pre_hook(self._pin_threads)
 
     @staticmethod
     def _sampling_params(trainer) -> SamplingParams:
@@ -103,16 +129,8 @@ class RolloutTRLGeneration(VLLMGeneration):
             top_k=trainer.top_k or 0, min_p=trainer.min_p or 0.0,
             repetition_penalty=trainer.repetition_penalty or 1.0, max_new_tokens=trainer.max_completion_length,
             eos_token_id=list(trainer.eos_token_ids), do_sample=True)
-        extra = {}
-        for key, value in (trainer.args.generation_kwargs or {}).items():
-            if key in _IGNORED_KWARGS:
-                continue
-            name = _KWARG_NAMES.get(key, key)
-            if name not in SamplingParams.__dataclass_fields__:
-                raise ValueError(f"generation_kwargs[{key!r}] is not supported by the rollout engine; supported: "
-                                 f"{sorted(set(SamplingParams.__dataclass_fields__) | set(_KWARG_NAMES))}")
-            extra[name] = value
-        return params.with_overrides(**extra)
+        # vLLM-style generation_kwargs (max_tokens, stop, ...) through the one OpenAI/vLLM name mapping
+        return params.with_overrides(**sampling_overrides(trainer.args.generation_kwargs or {}))
 
     # ---------------------------------------------------------------- contract
     def sync_weights(self) -> None:
@@ -129,16 +147,23 @@ class RolloutTRLGeneration(VLLMGeneration):
         else:
             self.generator.update_weights(self._iter_named_params())
         self.last_sync_seconds = time.perf_counter() - start
+        self._synced_step = self.trainer.state.global_step
+        self._synced_version = self.generator.weight_version if self.generator is not None else None
 
     def generate(self, prompts, images, num_generations, profiler=None):
         if images is not None and any(img is not None for img in images):
             raise NotImplementedError("rollout's TRL hook does not support image inputs yet")
         # TRL repeats each prompt for its group; generate each run of identical prompts as one n-sample group.
         runs = [(list(key), len(list(group))) for key, group in groupby(map(tuple, prompts))]
-        with profiler if profiler is not None else _null():
+        self._pending_old = None
+        self._threads = torch.get_num_threads()
+        with profiler if profiler is not None else contextlib.nullcontext():
             batch = self._generate_runs(runs)
         self.last_batch = batch
         self._record_metrics(batch)
+        if self.trainer._computes_old_logprobs():
+            use_engine, why = self._old_logprobs_decision(batch)
+            self._pending_old = PendingOldLogps(batch.samples, use_engine, why)
         completion_ids = [s.completion_ids for s in batch.samples]
         chosen = "policy_logprobs" if self.logprobs_kind == "policy" else "logprobs"
         logprobs = [[[lp] for lp in getattr(s, chosen)] for s in batch.samples]
@@ -171,13 +196,48 @@ class RolloutTRLGeneration(VLLMGeneration):
         for key, value in rollout_metrics(batch, sync_seconds=self.last_sync_seconds).items():
             self.trainer._metrics[mode][key].append(value)
 
+    def _pin_threads(self, module, args) -> None:
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
 
-class _null:
-    def __enter__(self):
-        return self
+    # ------------------------------------------------------------ old logprobs
+    def _inexact_reason(self, trainer) -> str | None:
+        """Why the engine's policy logprobs cannot stand in for TRL's recompute in this setup (None: they can)."""
+        engine_model = self.generator.model if self.generator is not None else None
+        return inexact_reason(trainer, self.sampling_params, engine_model, remote=self.client is not None)
 
-    def __exit__(self, *exc):
-        return False
+    def _old_logprobs_decision(self, batch: RolloutBatch) -> tuple[bool, str]:
+        """Whether TRL gets the engine's logprobs as old_per_token_logps for this batch, and why (logged on change)."""
+        if self.old_logprobs_mode == "recompute":
+            decision = (False, "rollout_old_logprobs='recompute'")
+        elif self.old_logprobs_mode == "engine":
+            decision = (True, "rollout_old_logprobs='engine'")
+        else:
+            reason = self.old_logprobs_static_reason
+            if reason is None and self._synced_step != self.trainer.state.global_step:
+                reason = "the engine's weights were not synced at this step"
+            if reason is None and any(v != self._synced_version for s in batch.samples for v in s.weight_versions):
+                reason = "some tokens were generated under other weights than the last sync"
+            decision = (reason is None, "rollout_old_logprobs='auto', the engine is exact for the trainer"
+                        if reason is None else f"rollout_old_logprobs='auto': {reason}")
+        if decision != self._last_decision:
+            logger.info("old_per_token_logps: %s (%s)", "the engine's policy logprobs, TRL's recompute skipped"
+                        if decision[0] else "recomputed by TRL", decision[1])
+            self._last_decision = decision
+        return decision
+
+    def take_old_logprobs(self) -> PendingOldLogps | None:
+        """The batch waiting for TRL's old-logprob pass (once: the next call gets None)."""
+        pending, self._pending_old = self._pending_old, None
+        return pending
+
+
+def _first_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The input embedding, which every forward of the engine runs first (the model itself if it has none)."""
+    try:
+        return model.get_input_embeddings() or model
+    except (AttributeError, NotImplementedError):
+        return model
 
 
 class _RolloutMixin:
@@ -186,29 +246,105 @@ class _RolloutMixin:
     Extra arguments: `rollout_config` (ContinuousBatchingConfig), `share_weights` (generate from the trained module
     itself, zero copy), `rollout_dtype` (dtype of the private generation copy), `rollout_logprobs` ("policy": feed
     TRL's importance-sampling correction the full-vocabulary logprobs it recomputes, or "sampled"), `rollout_server`
-    (URL of a `rollout serve` process: generate there and stream weights to it instead of running an engine here).
+    (URL of a `rollout serve` process: generate there and stream weights to it instead of running an engine here),
+    `rollout_old_logprobs` (below).
+
+    `rollout_old_logprobs` says where `old_per_token_logps` come from. TRL recomputes them with a forward pass over
+    the generation batch right after generating (GRPO in vLLM mode, for its importance-sampling correction; RLOO
+    always), which costs about a third of a CPU step. The engine already computed them as its per-token policy
+    logprobs (fp32 log-softmax of the logits over the full vocabulary, at TRL's temperature).
+      "auto" (default): use the engine's when it is exact for the trainer: same weights (synced at this step, no
+        update landed mid-generation), same precision, fp32 or fp64 (half-precision kernels round differently),
+        no autocast, no dropout, repetition_penalty == 1, num_iterations == 1 and steps_per_generation <=
+        gradient_accumulation_steps, no tools or custom rollout_func, an engine in this process. Otherwise TRL
+        recomputes them, as it does with vLLM.
+      "engine": always use the engine's (a bf16 engine for an fp32 trainer, say: the correction is then 1).
+      "recompute": always let TRL recompute them.
+    Either way TRL computes its importance-sampling ratio from the old logprobs it got (with the engine's: exactly
+    1 when rollout_logprobs="policy"). The path taken is logged (INFO) at the first step and whenever it changes,
+    and every step records `rollout/old_logprobs_from_engine` (1.0 or 0.0).
+
+    `rollout_trim_padding` (None: on in a single process): TRL scores completions with one forward over the batch
+    padded to the longest prompt plus the longest completion, so with varied lengths much of the loss's forward
+    and backward runs on padding. Trimmed, rows of similar length are scored together with the padding columns
+    they all share cut off (same absolute positions, same masks), so every real token gets the same logprob as in
+    TRL's forward up to float rounding. Off for multimodal inputs, MoE aux losses and several processes (each
+    chunk is a separate forward, which DDP/ZeRO-3/FSDP would have to gather or reduce for).
     """
 
     def __init__(self, *args, rollout_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
                  rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy",
-                 rollout_server: str | None = None, **kwargs):
+                 rollout_server: str | None = None, rollout_old_logprobs: str = "auto",
+                 rollout_trim_padding: bool | None = None, **kwargs):
         config = kwargs.get("args")
         if config is not None and getattr(config, "use_vllm", False):
             raise ValueError("RolloutGRPOTrainer/RolloutRLOOTrainer generate with rollout's engine: set use_vllm=False "
                              "(the default) in the config")
         if config is not None and getattr(config, "use_transformers_continuous_batching", False):
             raise ValueError("use_transformers_continuous_batching conflicts with rollout's engine; leave it False")
+        if rollout_old_logprobs not in OLD_LOGPROB_MODES:
+            raise ValueError(f"rollout_old_logprobs must be one of {OLD_LOGPROB_MODES}, got {rollout_old_logprobs!r}")
         super().__init__(*args, **kwargs)
         self.vllm_generation = RolloutTRLGeneration(self, rollout_config, share_weights, rollout_dtype,
-                                                    rollout_logprobs, rollout_server)
+                                                    rollout_logprobs, rollout_server, rollout_old_logprobs)
         self.use_vllm = True
         self.vllm_mode = "rollout"  # neither "server" nor "colocate": TRL's vLLM-specific branches stay off
         self._last_loaded_step = -1
         self.rollout_generator = self.vllm_generation.generator
+        self.rollout_trim_padding = (self.accelerator.num_processes == 1 if rollout_trim_padding is None
+                                     else bool(rollout_trim_padding))
+
+    def _computes_old_logprobs(self) -> bool:
+        """Whether TRL runs its old-logprob pass after generating (RLOO: always)."""
+        return True
+
+    def _generate_and_score_completions(self, inputs):
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:  # a batch TRL did not ask about must never answer a later call
+            self.vllm_generation.take_old_logprobs()
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        """TRL's per-token logprobs (and entropies), padding trimmed when allowed; TRL's old-logprob pass right after
+        generation may be answered from the engine instead.
+
+        That pass is the first gradient-free call on the trained model after `generate` (the reference model's comes
+        later); the engine's values are used only if TRL's batch holds exactly the engine's completions.
+        """
+        pending = None
+        if model is self.model and not torch.is_grad_enabled():
+            pending = self.vllm_generation.take_old_logprobs()
+        if pending is not None:
+            logps = None
+            if pending.use_engine and not compute_entropy and not compute_aux_loss:
+                logps = pending.as_old_logps(input_ids, attention_mask, logits_to_keep)
+                if logps is None:
+                    logger.warning("old_per_token_logps: TRL's batch does not hold the engine's completions as "
+                                   "generated (%s); recomputing them. Set rollout_old_logprobs='recompute' if this "
+                                   "setup changes completions after generation.", pending.reason)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["rollout/old_logprobs_from_engine"].append(float(logps is not None))
+            if logps is not None:
+                return logps, None, None
+        if self.rollout_trim_padding and not compute_aux_loss and all(v is None for v in extra.values()):
+            out = unpadded_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                  compute_entropy)
+            if out is not None:
+                return out
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                          batch_size, compute_entropy, compute_aux_loss, **extra)
 
 
 class RolloutGRPOTrainer(_RolloutMixin, GRPOTrainer):
     """TRL's GRPOTrainer with rollout's engine as generation backend (extra arguments: see `_RolloutMixin`)."""
+
+    def _computes_old_logprobs(self) -> bool:
+        """TRL's own rule (grpo_trainer.py, `_generate_and_score_completions`): misaligned reuse, or vLLM mode's
+        importance-sampling correction."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return (self.args.gradient_accumulation_steps % generate_every != 0
+                or bool(self.vllm_importance_sampling_correction))
 
 
 class RolloutRLOOTrainer(_RolloutMixin, RLOOTrainer):
