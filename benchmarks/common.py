@@ -224,7 +224,7 @@ class PhaseTimers:
     self time next to the aten ops.
     """
 
-    PHASES = [
+    PHASES = (
         # (name, parent, description)
         ("wall", None, "wall time of the timed region"),
         ("step", "wall", "LLMEngine.step (all steps)"),
@@ -242,7 +242,7 @@ class PhaseTimers:
         ("sampler", "step", "Sampler.sample"),
         ("step_rest", "step", "step bookkeeping: logits row select, append tokens, fork, stop checks, block hashing"),
         ("outside", "wall", "outside steps: engine init, add_request, output collection"),
-    ]
+    )
 
     def __init__(self, annotate: bool = False) -> None:
         self.annotate = annotate

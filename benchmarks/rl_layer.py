@@ -12,10 +12,9 @@ import statistics
 import time
 
 import torch
+from common import build_model, build_w1, format_table
 
-from common import build_model, build_w1, format_table  # noqa: E402 - also puts the repo on sys.path
-
-from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams  # noqa: E402
+from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams
 
 
 def _time_interleaved(fns: list, repeats: int) -> list[float]:

@@ -8,6 +8,7 @@ wall time, peak RSS and the ratios to our engine.
     python benchmarks/throughput.py --scale 0.25         # a quarter of W1 (8 prompts x 8 samples)
     python benchmarks/throughput.py --systems engine,hf_cb --dtype bfloat16 --json
     python benchmarks/throughput.py --profile --scale 0.25   # where the engine spends its time
+    python benchmarks/throughput.py --systems engine --baseline-tree /tmp/before --repeats 3   # before/after a change
 
 See benchmarks/README.md for what each system does and how to read the numbers.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     LoadMonitor,
     Workload,
     build_model,
@@ -47,6 +48,7 @@ SYSTEMS = {
     "engine_groups": "rollout LLMEngine, n=8 groups (prefill once, fork) with per-sample max_new_tokens patched in",
     "hf_cb": "transformers ContinuousBatchingManager (page 32, 256 batch tokens, 32 requests/batch)",
     "hf_generate": "transformers model.generate, static batches of 64 sorted by prompt length, left padding",
+    "engine_baseline": "the engine system run from another checkout (--baseline-tree), for before/after ratios",
 }
 DEFAULT_SYSTEMS = "engine,hf_cb,hf_generate"
 REFERENCE = "engine"
@@ -60,7 +62,7 @@ def log(msg: str) -> None:
 def engine_config(args):
     from rollout import ContinuousBatchingConfig
 
-    kwargs = dict(page_size=args.engine_page_size)
+    kwargs = dict(page_size=args.engine_page_size or None)
     if args.engine_max_batch_tokens:
         kwargs["max_batch_tokens"] = args.engine_max_batch_tokens
     if args.engine_max_requests:
@@ -122,7 +124,7 @@ def run_engine(model, work: Workload, args) -> dict:
     outs = list(out.values())
     produced = [len(o.generated_tokens) for o in outs]
     errors = [o.error for o in outs if o.error]
-    stats = capture.engine.stats() if capture.engine is not None else {}
+    stats = capture.engine.stats().as_dict() if capture.engine is not None else {}
     return dict(wall_s=wall, produced=produced, computed_tokens=sum(produced), errors=errors[:3],
                 num_errors=len(errors), engine_stats=stats)
 
@@ -162,7 +164,7 @@ def run_engine_groups(model, work: Workload, args) -> dict:
     produced = [len(o.generated_tokens) for o in outs]
     errors = [o.error for o in outs if o.error]
     return dict(wall_s=wall, produced=produced, computed_tokens=sum(produced), errors=errors[:3],
-                num_errors=len(errors), engine_stats=engine.stats())
+                num_errors=len(errors), engine_stats=engine.stats().as_dict())
 
 
 def hf_generation_config(max_new_tokens: int = 256, eos_token_id: int | None = -1):
@@ -299,7 +301,10 @@ def child_main(args) -> None:
 
 # ====================================================================================================== the parent
 def child_argv(args, system: str, result_file: str) -> list[str]:
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", system, "--result-file", result_file,
+    script, worker = os.path.abspath(__file__), system
+    if system == "engine_baseline":  # the other checkout's own script imports the other checkout's rollout
+        script, worker = os.path.join(os.path.abspath(args.baseline_tree), "benchmarks", "throughput.py"), "engine"
+    argv = [sys.executable, script, "--worker", worker, "--result-file", result_file,
             "--scale", repr(args.scale), "--threads", str(args.threads), "--dtype", args.dtype,
             "--seed", str(args.seed), "--engine-page-size", str(args.engine_page_size),
             "--engine-max-batch-tokens", str(args.engine_max_batch_tokens or 0),
@@ -338,7 +343,7 @@ def run_child(args, system: str) -> dict:
             return dict(system=system, description=SYSTEMS[system], failed=True,
                         error=f"child exited with {proc.returncode}", process_s=time.perf_counter() - t)
         result = json.loads(Path(result_file).read_text())
-        result["process_s"] = time.perf_counter() - t
+        result.update(system=system, description=SYSTEMS[system], process_s=time.perf_counter() - t)
         return result
 
 
@@ -406,7 +411,7 @@ def print_report(report: dict) -> None:
     rows = []
     for r in report["results"]:
         if r.get("failed"):
-            rows.append([r["system"], "FAILED", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", r["error"]])
+            rows.append([r["system"], "FAILED", *["-"] * (len(headers) - 3), r["error"]])
             continue
         rows.append([r["system"], f"{r['useful_tok_s']:.1f}", f"{r['wall_s']:.1f}", r["useful_tokens"],
                      r["computed_tokens"], r["short_sequences"], r["num_errors"], f"{r['peak_rss_mib']:.0f}",
@@ -446,6 +451,15 @@ def parent_main(args) -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
+    if args.baseline_tree:
+        if not os.path.exists(os.path.join(args.baseline_tree, "benchmarks", "throughput.py")):
+            raise SystemExit(f"--baseline-tree {args.baseline_tree!r} has no benchmarks/throughput.py; pass a checkout "
+                             "of this repository (e.g. git worktree add /tmp/before <commit>)")
+        systems.append("engine_baseline")
+        if not args.engine_page_size:  # an older checkout may not resolve the page size per device
+            from rollout.config import DEFAULT_PAGE_SIZE
+
+            args.engine_page_size = DEFAULT_PAGE_SIZE["cpu"]
     work = build_w1(args.scale, seed=args.seed)
     log(work.description)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
@@ -545,7 +559,7 @@ def parse_args(argv=None):
     p.add_argument("--env", action="append", metavar="KEY=VALUE",
                    help="extra environment for every system's process, e.g. --env MALLOC_MMAP_MAX_=0 (repeatable)")
     g = p.add_argument_group("our engine")
-    g.add_argument("--engine-page-size", type=int, default=32)
+    g.add_argument("--engine-page-size", type=int, default=0, help="0: the engine's default for the device")
     g.add_argument("--engine-max-batch-tokens", type=int, default=0, help="0: the engine's default")
     g.add_argument("--engine-max-requests", type=int, default=0, help="0: the engine's default")
     g.add_argument("--engine-scheduler", default=None, choices=["fifo", "prefill_first"])
@@ -558,6 +572,8 @@ def parse_args(argv=None):
     g.add_argument("--hf-cb-timeout", type=float, default=3000)
     g = p.add_argument_group("model.generate")
     g.add_argument("--generate-batch-size", type=int, default=64)
+    p.add_argument("--baseline-tree", help="another checkout of this repository (e.g. `git worktree add /tmp/before "
+                   "HEAD~3`): its engine runs as system engine_baseline, interleaved with ours (before/after ratios)")
     p.add_argument("--worker", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)

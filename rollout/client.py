@@ -13,13 +13,12 @@ from typing import Any
 
 import httpx
 
+from rollout.openai_params import to_openai
 from rollout.rl.weights import WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 * 1024**2
-# SamplingParams-style names accepted by `generate`, mapped to the server's OpenAI names.
-_ALIASES = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "min_new_tokens": "min_tokens"}
 
 
 class RolloutServerError(RuntimeError):
@@ -87,14 +86,15 @@ class RolloutClient:
 
         `prompts`: one prompt or a list; each is text or token ids. `sampling`: OpenAI completion fields
         (max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, ...); the
-        SamplingParams names max_new_tokens, stop_strings and min_new_tokens are accepted too.
+        SamplingParams names max_new_tokens, stop_strings and min_new_tokens are accepted too (see
+        `rollout.openai_params`).
         Returns dicts with prompt_index, prompt_ids, completion_ids, text, logprobs, policy_logprobs, kept_logmass,
         weight_versions, finish_reason.
         """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        body = {_ALIASES.get(k, k): v for k, v in sampling.items() if v is not None}
+        body = to_openai(sampling)
         body.update(model=self.model(), prompt=[p if isinstance(p, str) else [int(t) for t in p] for p in prompts],
                     n=n, logprobs=0, return_token_ids=True, stream=False)
         response = self._request("POST", "/v1/completions", json=body)

@@ -3,14 +3,21 @@
 Concurrency model: callers never touch the engine while it steps. Submissions go to an inbox the loop drains between
 steps; cancellation and stats take the engine lock, which the loop holds only during a step, so they act at the next
 step boundary. Pausing is a counter, not a lock: `pause()` (or `pause_generation()`/`resume_generation()` from any
-thread) parks the loop between two steps, and cancel, stats and weight copies still work while it is parked. Results land in per-request slots (a dict of finished outputs and one queue per streaming
-request) guarded by one condition variable, so a caller waiting on request A is never disturbed by request B. If the
-loop thread dies, every waiter is woken and gets the error.
+thread) parks the loop between two steps, and cancel, stats and weight copies still work while it is parked.
+
+A request submitted with `on_output` has its outputs pushed to that callback (`rollout.output_router`). Other results
+land in per-request slots (a dict of finished outputs and one queue per streaming request) guarded by one condition
+variable, so a caller waiting on request A is never disturbed by request B. If the loop thread dies, every waiter is
+woken and gets the error, and every routed sequence gets a final SHUTDOWN failure.
+
+Interpreter exit: every started manager is registered with `rollout.interpreter_exit`, which hard-stops the loops
+before the interpreter tears threads down.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -20,21 +27,21 @@ from collections.abc import Iterator, Sequence
 
 from transformers import GenerationConfig, PreTrainedModel
 
+from rollout import interpreter_exit
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import LLMEngine
-from rollout.engine.request import RequestOutput, RequestStatus
+from rollout.engine.request import ErrorKind, RequestOutput
+from rollout.engine.sequence_group import sequence_ids
+from rollout.engine.stats import EngineStats
+from rollout.output_router import OutputCallback, OutputRouter
 from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # safety net: how often blocked stream readers re-check that the loop is alive
 _DEAD = object()  # pushed into every stream queue when the loop dies
-
-
-def sequence_ids(request_id: str, n: int) -> list[str]:
-    """Ids of the sequences a request produces: itself for n == 1, `{id}#{i}` for an n-sample group."""
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-
+_HARD_STOP_ERROR = "RuntimeError: the manager was hard-stopped"
+_DESTROYED_ERROR = "RuntimeError: the manager was destroyed before this request finished"
 
 class ManagerError(RuntimeError):
     """The manager cannot serve: its loop thread died, or it was destroyed."""
@@ -54,11 +61,13 @@ class ContinuousBatchingManager:
         self._finished: OrderedDict[str, RequestOutput] = OrderedDict()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._pending: set[str] = set()  # submitted, result not yet handed to a caller
+        self._router = OutputRouter()  # callbacks of requests submitted with on_output
         self._auto_ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stopping = False
         self._hard_stop = False
+        self._stop_error = _HARD_STOP_ERROR  # what a hard stop tells the requests it fails
         self._destroyed = False
         self._fatal: BaseException | None = None
         self._pause_count = 0
@@ -75,26 +84,46 @@ class ContinuousBatchingManager:
             if self.is_running():
                 return
             self._accepting, self._stopping, self._hard_stop = True, False, False
+            self._stop_error = _HARD_STOP_ERROR
+            interpreter_exit.track(self)
             self._thread = threading.Thread(target=self._run, name="rollout-cb-loop", daemon=True)
             self._thread.start()
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """What killed the loop thread, if it died (the manager cannot serve again then)."""
+        return self._fatal
+
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
-        """Stop accepting work; finish queued and active requests (or fail them at once with hard_stop); end the loop."""
-        with self._cv:
-            self._accepting = False
-            self._stopping = True
-            self._hard_stop = self._hard_stop or hard_stop
-            self._cv.notify_all()
+        """Stop accepting work; finish queued and active requests (or fail them at once with hard_stop); end the
+        loop."""
+        self.signal_stop(hard_stop)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            if not self.join(timeout):
+                logger.warning("manager loop still running after stop(timeout=%s)", timeout)
+        elif hard_stop and self.engine is not None:
+            self._deliver(self._fail_everything(self._stop_error))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` seconds) for the loop thread to end; True once it is not running."""
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-            if thread.is_alive():
-                logger.warning("manager loop still running after stop(timeout=%s)", timeout)
-        elif hard_stop and self.engine is not None:
-            self._deliver(self._fail_everything("RuntimeError: the manager was hard-stopped"))
+        return not self.is_running()
+
+    def signal_stop(self, hard_stop: bool, error: str | None = None) -> None:
+        """Tell the loop to stop at its next step boundary, without waiting for it (`join` waits); a hard stop fails
+        what is left with `error`."""
+        with self._cv:
+            self._accepting = False
+            self._stopping = True
+            if hard_stop and not self._hard_stop and error is not None:
+                self._stop_error = error
+            self._hard_stop = self._hard_stop or hard_stop
+            self._cv.notify_all()
 
     def destroy(self) -> None:
         """Stop if needed and free the KV cache; the manager cannot be restarted afterwards."""
@@ -103,10 +132,14 @@ class ContinuousBatchingManager:
         self.stop(hard_stop=False)
         with self._cv:
             self._destroyed = True
+        if self.engine is not None and self._fatal is None:  # a loop that never ran leaves requests: fail them
+            self._deliver(self._fail_everything(_DESTROYED_ERROR))
         with self._engine_lock:
             self.engine = None
 
-    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+    def __del__(self):  # pragma: no cover - best effort
+        # A running loop keeps its manager alive, so this only meets a stopped (or never started) manager: it fails
+        # whatever is still queued. Loops still running at interpreter exit are stopped by `stop_all_managers`.
         with contextlib.suppress(Exception):
             self.stop(hard_stop=True, timeout=1.0)
 
@@ -140,11 +173,13 @@ class ContinuousBatchingManager:
     # -------------------------------------------------------------- submission
     def add_request(self, input_ids: Sequence[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, sampling_params: SamplingParams | None = None,
-                    **overrides) -> str | None:
+                    on_output: OutputCallback | None = None, **overrides) -> str | None:
         """Queue one prompt; returns its id (None if the manager was stopped: the request is dropped with a warning).
 
         `overrides` are SamplingParams fields (temperature=..., top_p=..., seed=..., n=...). An n-sample request
-        yields outputs with ids `{id}#{i}` (see `sequence_ids`).
+        yields outputs with ids `{id}#{i}` (see `sequence_ids`). With `on_output`, the request is routed: the callback
+        gets every output of its sequences (partials too when `streaming`), ending with one final output per sequence,
+        failures included (`error_kind` says why); `get_result` and `request_id_iter` do not know such a request.
         """
         params = (sampling_params or SamplingParams()).with_overrides(max_new_tokens=max_new_tokens, **overrides)
         with self._cv:
@@ -156,14 +191,15 @@ class ContinuousBatchingManager:
             if request_id is None:
                 request_id = f"req_{next(self._auto_ids)}"
             ids = sequence_ids(request_id, params.n)
-            taken = [rid for rid in ids if rid in self._pending or rid in self._streams]
+            taken = [rid for rid in ids if rid in self._pending or rid in self._streams or rid in self._router]
             if taken:
                 raise ValueError(f"request id {taken[0]!r} is already in use by a request that has not been "
                                  "collected; pass a unique request_id or None")
-            for rid in ids:
-                self._pending.add(rid)
-                if streaming:
-                    self._streams[rid] = queue.SimpleQueue()
+            if on_output is not None:
+                self._router.register(ids, on_output)
+            else:
+                self._pending.update(ids)
+                self._streams.update((rid, queue.SimpleQueue()) for rid in ids if streaming)
             self._inbox.append((request_id, list(input_ids), params, streaming))
             self._cv.notify_all()
         return request_id
@@ -182,16 +218,10 @@ class ContinuousBatchingManager:
         """Cancel a queued or running request and free its blocks now; False if it is unknown or already done."""
         with self._engine_lock:
             engine = self._require_engine()
-            self._drain_inbox(engine)
-            outputs = [out for rid in self._expand(engine, request_id) if (out := engine.cancel(rid)) is not None]
-        self._deliver(outputs)
+            rejected = self._drain_inbox(engine)
+            outputs = engine.cancel(request_id)
+        self._deliver(rejected + outputs)
         return bool(outputs)
-
-    @staticmethod
-    def _expand(engine: LLMEngine, request_id: str) -> list[str]:
-        if request_id in engine.requests:
-            return [request_id]
-        return [rid for rid in engine.requests if rid.rsplit("#", 1)[0] == request_id]
 
     # ----------------------------------------------------------------- results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
@@ -201,8 +231,8 @@ class ContinuousBatchingManager:
         """
         with self._cv:
             if request_id is not None and request_id not in self._pending:
-                raise KeyError(f"unknown request id {request_id!r}: never submitted, already collected, or streaming "
-                               "(read streaming requests with request_id_iter)")
+                raise KeyError(f"unknown request id {request_id!r}: never submitted, already collected, streaming "
+                               "(read it with request_id_iter) or routed (its on_output callback gets it)")
             ready = (lambda: request_id in self._finished) if request_id else (lambda: bool(self._finished))
             if not self._wait_for(ready, timeout):
                 return None
@@ -225,9 +255,9 @@ class ContinuousBatchingManager:
         """Partial outputs of a streaming request as tokens arrive, ending with its final output."""
         with self._cv:
             stream = self._streams.get(request_id)
-            if stream is None:
-                if request_id not in self._pending:
-                    raise KeyError(f"unknown request id {request_id!r}")
+            if stream is None and request_id not in self._pending:
+                raise KeyError(f"unknown request id {request_id!r}: never submitted, already collected, or routed "
+                               "(its on_output callback gets its outputs)")
         if stream is None:  # not streaming: one final output
             out = self.get_result(request_id)
             if out is not None:
@@ -249,12 +279,11 @@ class ContinuousBatchingManager:
             if out.is_finished():
                 return
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         with self._engine_lock:
             stats = self._require_engine().stats()
         with self._cv:
-            stats.update(queued=len(self._inbox), uncollected=len(self._finished), running_loop=self.is_running())
-        return stats
+            return dataclasses.replace(stats, queued=len(self._inbox), uncollected=len(self._finished))
 
     # -------------------------------------------------------------------- loop
     def _run(self) -> None:
@@ -265,33 +294,38 @@ class ContinuousBatchingManager:
                     if self._hard_stop:
                         break
                     self._in_step = True
+                drained = False
                 try:
                     with self._engine_lock:
                         engine = self._require_engine()
-                        self._drain_inbox(engine)
-                        if not engine.has_unfinished():
-                            if self._stopping:
-                                break
-                            continue
-                        outputs = engine.step()
+                        outputs = self._drain_inbox(engine)
+                        if engine.has_unfinished():
+                            outputs += engine.step()
+                        else:
+                            drained = self._stopping
                 finally:
                     with self._cv:
                         self._in_step = False
                         self._cv.notify_all()
-                self._deliver(outputs)
+                self._deliver(outputs)  # outside the engine lock: see _deliver
+                if drained:
+                    break
             if self._hard_stop:
-                self._deliver(self._fail_everything("RuntimeError: the manager was hard-stopped"))
+                self._deliver(self._fail_everything(self._stop_error))
         except BaseException as err:  # the loop died: fail everyone promptly instead of letting them hang
             logger.exception("continuous batching loop died")
             with self._cv:
                 self._fatal = err
                 self._accepting = False
+            error = f"the manager's loop died: {err!r}"
+            failed: list[RequestOutput] = []
             with contextlib.suppress(Exception):
-                self._fail_everything(f"the manager's loop died: {err!r}")  # frees blocks; waiters raise instead
+                failed = self._fail_everything(error)  # frees blocks; waiters raise instead of getting these
             with self._cv:
                 for stream in self._streams.values():
                     stream.put(_DEAD)
                 self._cv.notify_all()
+            self._router.fail_all(failed, error)
 
     def _has_loop_work(self) -> bool:
         if self._hard_stop:
@@ -302,16 +336,20 @@ class ContinuousBatchingManager:
             return True
         return bool(self._inbox) or (self.engine is not None and self.engine.has_unfinished())
 
-    def _drain_inbox(self, engine: LLMEngine) -> None:
+    def _drain_inbox(self, engine: LLMEngine) -> list[RequestOutput]:
+        """Hand queued requests to the engine (caller holds the engine lock); returns the outputs of those it refused,
+        for the caller to deliver once it released the lock."""
         with self._cv:
             items, self._inbox = list(self._inbox), deque()
+        rejected: list[RequestOutput] = []
         for request_id, prompt, params, streaming in items:
             try:
                 engine.add_request(prompt, request_id, params, streaming=streaming)
             except ValueError as err:  # e.g. an id still live inside the engine: fail this request alone
-                self._deliver([RequestOutput(request_id=rid, prompt_ids=list(prompt), status=RequestStatus.FAILED,
-                                             finish_reason="error", error=str(err))
-                               for rid in sequence_ids(request_id, params.n)])
+                rejected += [RequestOutput.failure(rid, list(prompt), f"request {request_id!r}: {err}",
+                                                   ErrorKind.INVALID_REQUEST)
+                             for rid in sequence_ids(request_id, params.n)]
+        return rejected
 
     def _fail_everything(self, error: str) -> list[RequestOutput]:
         with self._engine_lock:
@@ -319,18 +357,20 @@ class ContinuousBatchingManager:
             with self._cv:
                 items, self._inbox = list(self._inbox), deque()
             for request_id, prompt, params, _ in items:
-                outputs += [RequestOutput(request_id=rid, prompt_ids=list(prompt), status=RequestStatus.FAILED,
-                                          finish_reason="error", error=error)
-                            for rid in sequence_ids(request_id, params.n)]
+                outputs += [RequestOutput.failure(rid, list(prompt), error, ErrorKind.SHUTDOWN)
+                             for rid in sequence_ids(request_id, params.n)]
             if self.engine is not None:
                 outputs += self.engine.fail_all(error)
             return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Routed outputs to their callbacks, the rest to the slots `get_result` and streams read. Never called with
+        the engine lock held, so a callback may call `cancel_request` or `add_request`."""
         if not outputs:
             return
+        unrouted = self._router.route(outputs)
         with self._cv:
-            for out in outputs:
+            for out in unrouted:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
@@ -370,3 +410,4 @@ class ContinuousBatchingManager:
         if self.engine is None:
             raise ManagerError("this manager was destroyed; create a new one")
         return self.engine
+

@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from rollout.validation import check_sampling
+
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -114,24 +116,5 @@ def resolve_sampling(
         if p.ignore_eos
         else _as_id_set(_pick(p.eos_token_id, getattr(g, "eos_token_id", None), model_eos)),
     )
-    _validate(resolved, p)
+    check_sampling(resolved, p)
     return resolved
-
-
-def _validate(r: ResolvedSampling, p: SamplingParams) -> None:
-    checks = [
-        (r.temperature >= 0, f"temperature must be >= 0, got {r.temperature}"),
-        (r.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {r.top_k}"),
-        (0.0 < r.top_p <= 1.0, f"top_p must be in (0, 1], got {r.top_p}"),
-        (0.0 <= r.min_p <= 1.0, f"min_p must be in [0, 1], got {r.min_p}"),
-        (r.repetition_penalty > 0, f"repetition_penalty must be > 0, got {r.repetition_penalty}"),
-        (r.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {r.max_new_tokens}"),
-        (0 <= r.min_new_tokens <= r.max_new_tokens,
-         f"min_new_tokens must be in [0, max_new_tokens={r.max_new_tokens}], got {r.min_new_tokens}"),
-        (p.n >= 1, f"n must be >= 1, got {p.n}"),
-        (all(isinstance(x, str) and x for x in r.stop_strings), "stop_strings must be non-empty strings"),
-        (r.seed is None or isinstance(r.seed, int), f"seed must be an int, got {r.seed!r}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(f"Invalid sampling parameters: {message}.")

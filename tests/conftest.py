@@ -1,10 +1,13 @@
+"""Shared fixtures: one thread for tiny models, offline W&B and hub, CPU-capability simulation."""
+
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+from rollout.engine.cpu_features import cpu_features
+from tests.helpers.cpu import BF16_ERROR
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # tiny models: one thread is fastest and steadiest
@@ -12,6 +15,28 @@ torch.set_num_threads(1)  # tiny models: one thread is fastest and steadiest
 
 @pytest.fixture(scope="session")
 def qwen3():
-    from models import tiny_model
+    from tests.helpers.models import tiny_model
 
     return tiny_model("qwen3")
+
+
+@pytest.fixture
+def fresh_detection():
+    """Detection runs again in the test, and again (for real) after it."""
+    cpu_features.cache_clear()
+    yield
+    cpu_features.cache_clear()
+
+
+@pytest.fixture
+def avx2_machine(monkeypatch, fresh_detection):
+    """oneDNN as on an AVX2-only CPU: fp32 packs, bf16 raises torch's own error, and torch's bf16 check says no."""
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def reorder(weight, *args):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(BF16_ERROR)
+        return real(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, generate_batch
 from rollout.engine.flash_backend import HAVE_FLASH
+from tests.helpers.models import greedy_reference, random_prompts, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -3,8 +3,8 @@
 import pytest
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, generate_batch
+from tests.helpers.models import greedy_reference, random_prompts, tiny_model
 
 MAX_NEW = 24
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "gpt2"]
@@ -78,8 +78,8 @@ def test_configs_really_exercise_their_path(name, counter):
         engine.step()
         engine.check_invariants()
     stats = engine.stats()
-    assert stats[counter] > 0
-    assert stats["free_blocks"] == stats["num_blocks"]
+    assert getattr(stats, counter) > 0
+    assert stats.free_blocks == stats.num_blocks
 
 
 def test_module_attention_implementation_is_restored(qwen3):

@@ -3,8 +3,8 @@ later ones join the first while it is still queued, keep their own settings, and
 
 from transformers import GenerationConfig
 
-from models import greedy_reference, random_prompts, run_engine
 from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
+from tests.helpers.models import greedy_reference, random_prompts, run_engine
 
 
 def _engine(model, **config):
@@ -22,7 +22,7 @@ def test_identical_prompts_prefill_once_with_their_own_settings(qwen3):
     ids.append(engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6, temperature=1.0,
                                                                          seed=11))[0])
     outs = run_engine(engine)
-    assert engine.stats()["prefill_tokens"] == len(prompt) + len(other), "each distinct prompt is computed once"
+    assert engine.stats().prefill_tokens == len(prompt) + len(other), "each distinct prompt is computed once"
     ref, safe = greedy_reference(qwen3, prompt, max(budgets))
     for rid, budget in zip(ids, budgets):
         tokens = outs[rid].generated_tokens
@@ -42,13 +42,13 @@ def test_no_joining_once_the_first_has_started_or_without_sharing(qwen3):
     engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=6))
     outs = run_engine(engine)
     assert len(outs) == 2 and len({tuple(o.generated_tokens) for o in outs.values()}) == 1
-    assert engine.stats()["prefill_tokens"] == len(prompt) + len(prompt) % 8  # the partial block is recomputed
+    assert engine.stats().prefill_tokens == len(prompt) + len(prompt) % 8  # the partial block is recomputed
 
     no_sharing = _engine(qwen3, allow_block_sharing=False)
     for _ in range(3):
         no_sharing.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=4))
     run_engine(no_sharing)
-    assert no_sharing.stats()["prefill_tokens"] == 3 * len(prompt)
+    assert no_sharing.stats().prefill_tokens == 3 * len(prompt)
 
 
 def test_cancelling_the_first_hands_the_group_to_the_next(qwen3):
@@ -56,9 +56,10 @@ def test_cancelling_the_first_hands_the_group_to_the_next(qwen3):
     engine = _engine(qwen3)
     first, second, third = (engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=5))[0]
                             for _ in range(3))
-    assert engine.cancel(first).finish_reason == "cancelled"
+    (out,) = engine.cancel(first)
+    assert out.finish_reason == "cancelled"
     fourth = engine.add_request(prompt, sampling_params=SamplingParams(max_new_tokens=5))[0]
     outs = run_engine(engine)
     assert sorted(outs) == sorted([second, third, fourth])
     assert len({tuple(o.generated_tokens) for o in outs.values()}) == 1
-    assert engine.stats()["prefill_tokens"] == len(prompt), "the fourth joined the group the second took over"
+    assert engine.stats().prefill_tokens == len(prompt), "the fourth joined the group the second took over"

@@ -5,9 +5,9 @@ import threading
 import pytest
 import torch
 
-from models import greedy_reference, perturbed, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams, WeightUpdateError
-from tokenizer_utils import tiny_tokenizer
+from tests.helpers.models import greedy_reference, perturbed, random_prompts, tiny_model
+from tests.helpers.tokenizers import tiny_tokenizer
 
 CB = ContinuousBatchingConfig(page_size=8, num_blocks=512)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
@@ -156,7 +156,7 @@ def test_in_flight_update_keep_tags_versions(model):
     prompt = random_prompts([19], seed=10)[0]
     with RolloutGenerator(model, continuous_batching_config=CB) as gen:
         out = _stream_until_update(gen, new_model, "keep", prompt)
-        assert gen.manager.engine.stats()["preemptions"] == 0  # kept its KV: no recompute
+        assert gen.manager.engine.stats().preemptions == 0  # kept its KV: no recompute
     versions = out.weight_versions
     switch = versions.index(1)
     assert 5 <= switch < len(versions) and versions == [0] * switch + [1] * (len(versions) - switch)
@@ -230,3 +230,93 @@ def test_bad_prompt_raises_clearly(model):
             gen.generate(["some text"])
         with pytest.raises(ValueError, match="on_update"):
             gen.update_weights(model, on_update="sometimes")
+
+
+def _assert_nothing_left(gen):
+    stats = gen.stats()
+    assert stats.running == 0 and stats.waiting == 0 and stats.queued == 0
+    assert stats.uncollected == 0
+    assert stats.free_blocks == stats.num_blocks, "KV blocks leaked"
+    assert not gen.manager.engine.requests
+    gen.manager.engine.check_invariants()
+
+
+# (bad prompt or n, words the error must contain besides the prompt index)
+BAD_BATCH = {
+    "empty prompt": ([], 1, ["empty"]),
+    "id outside the vocabulary": ([1, 2, 10_000], 1, ["10000", "vocabulary"]),
+    "negative id": ([1, -3], 1, ["-3", "vocabulary"]),
+    "fractional id": ([1, 2.5], 1, ["2.5", "integers"]),
+    "too long for the model": ([3] * 600, 1, ["600", "positions"]),
+    "text without a tokenizer": ("hello", 1, ["tokenizer"]),
+    "not a prompt": (42, 1, ["int"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BATCH))
+def test_one_bad_prompt_rejects_the_batch_before_anything_runs(model, case):
+    bad, _, words = BAD_BATCH[case]
+    prompts = random_prompts([9, 14], seed=8) + [bad] + random_prompts([5], seed=9)
+    with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        steps = gen.stats().steps
+        for call in (gen.generate, gen.submit):
+            with pytest.raises(ValueError) as info:
+                call(prompts, n=2, sampling_params=GREEDY)
+            message = str(info.value)
+            assert "prompt 2" in message and "nothing was submitted" in message, message
+            for word in words:
+                assert word in message, f"{word!r} missing from {message!r}"
+            _assert_nothing_left(gen)
+        assert gen.stats().steps == steps, "no prompt of a rejected batch may run"
+        good = gen.generate([prompts[0]], sampling_params=GREEDY)  # the generator keeps serving
+        assert len(good.samples[0].completion_ids) == GREEDY.max_new_tokens
+
+
+def test_every_bad_prompt_is_named(model):
+    with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        with pytest.raises(ValueError, match=r"2 of 4 prompts") as info:
+            gen.generate([[1, 2], [], [3, 4], [5, 999]], sampling_params=GREEDY)
+        assert "prompt 1:" in str(info.value) and "prompt 3:" in str(info.value)
+        _assert_nothing_left(gen)
+
+
+@pytest.mark.parametrize("n, words", [(0, ["n must be >= 1", "0"]), ([1, 0, 2], ["n[1]", "prompt 1"]),
+                                      ([1, 2], ["2 values for 3 prompts"]), (1.5, ["1.5"]),
+                                      ([1, True, 1], ["n[1]", "True"])])
+def test_bad_group_sizes_are_rejected_before_anything_runs(model, n, words):
+    with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        with pytest.raises(ValueError) as info:
+            gen.generate(random_prompts([4, 5, 6], seed=1), n=n, sampling_params=GREEDY)
+        for word in words + ["nothing was submitted"]:
+            assert word in str(info.value), str(info.value)
+        _assert_nothing_left(gen)
+        assert gen.stats().steps == 0
+
+
+def test_bad_sampling_params_are_rejected_before_anything_runs(model):
+    with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        with pytest.raises(ValueError, match=r"sampling_params.*top_p"):
+            gen.generate(random_prompts([4, 5], seed=1), sampling_params=SamplingParams(top_p=0.0))
+        with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+            gen.generate(random_prompts([4, 5], seed=1), sampling_params=SamplingParams(stop_strings=["x"]))
+        _assert_nothing_left(gen)
+        assert gen.stats().steps == 0
+
+
+def test_interrupted_generate_cancels_what_it_submitted(model):
+    with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        real_get_result = gen.manager.get_result
+        calls = []
+
+        def interrupted(request_id=None, timeout=None):
+            calls.append(request_id)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real_get_result(request_id, timeout)
+
+        gen.manager.get_result = interrupted
+        long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
+        with pytest.raises(KeyboardInterrupt):
+            gen.generate(random_prompts([6, 7, 8], seed=3), n=2, sampling_params=long)
+        del gen.manager.get_result
+        _assert_nothing_left(gen)  # cancellation is synchronous: nothing of the call is left

@@ -10,14 +10,17 @@ import pytest
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
-    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
-from models import VOCAB, greedy_reference, random_prompts, run_engine, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.engine.engine import LLMEngine
 from rollout.engine.sampler import Sampler, SampleRow
 from rollout.sampling_params import resolve_sampling
+from tests.helpers.models import VOCAB, greedy_reference, random_prompts, run_engine, tiny_model
 
 TOL = 1e-5
 
@@ -120,7 +123,7 @@ def test_seeded_sampling_survives_preemption_and_recompute(flat):
     tight = {}
     while engine.has_unfinished():
         tight.update({o.request_id: o for o in engine.step() if o.is_finished()})
-    assert engine.stats()["preemptions"] > 0, "the tight cache must force preemption"
+    assert engine.stats().preemptions > 0, "the tight cache must force preemption"
     for rid, out in roomy.items():
         assert tight[rid].generated_tokens == out.generated_tokens, rid
         assert tight[rid].logprobs == pytest.approx(out.logprobs, abs=TOL)
@@ -201,10 +204,10 @@ def test_n_group_prefills_its_prompt_once(qwen3, prompt_len):
     assert ids == [f"req_0#{j}" for j in range(8)]
     outs = run_engine(engine)
     stats = engine.stats()
-    assert stats["prefill_tokens"] == prompt_len, "the group's prompt must be computed once, not once per sample"
-    assert stats["decode_tokens"] == 8 * 4
-    assert stats["generated_tokens"] == 8 * 5
-    assert stats["free_blocks"] == stats["num_blocks"]
+    assert stats.prefill_tokens == prompt_len, "the group's prompt must be computed once, not once per sample"
+    assert stats.decode_tokens == 8 * 4
+    assert stats.generated_tokens == 8 * 5
+    assert stats.free_blocks == stats.num_blocks
     assert sorted(outs) == sorted(ids) and all(len(o.generated_tokens) == 5 for o in outs.values())
     # Each sample's KV (shared full blocks, its own copy of the partial block) must give the right logits.
     for out in outs.values():
@@ -435,7 +438,7 @@ def test_stop_and_eos_end_the_sequence_with_the_token_included(qwen3, greedy_run
 
 
 def test_ignore_eos_runs_to_max_new_tokens(qwen3, greedy_run):
-    prompt, tokens, k, s = greedy_run
+    prompt, tokens, _, s = greedy_run
     out = gen(qwen3, [prompt], SamplingParams(temperature=0.0, eos_token_id=s, ignore_eos=True, max_new_tokens=16))
     out = out["req_0"]
     assert out.finish_reason == "length" and out.generated_tokens == tokens

@@ -19,12 +19,15 @@ import torch
 import uvicorn
 from fastapi.testclient import TestClient
 
-from models import perturbed, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, WeightUpdateError, generate_batch
 from rollout.client import RolloutClient
+from rollout.engine.request import ErrorKind, RequestOutput, RequestStatus
 from rollout.server import build_parser_args, create_app, serve
-from server_utils import running_server
-from tokenizer_utils import tiny_tokenizer
+from rollout.server.errors import from_failed_output, from_invalid_request
+from rollout.validation import InvalidRequestError
+from tests.helpers.models import perturbed, random_prompts, tiny_model
+from tests.helpers.server import running_server
+from tests.helpers.tokenizers import tiny_tokenizer
 
 MODEL = "tiny"
 PAGE, BLOCKS = 8, 256
@@ -339,7 +342,7 @@ def test_load_200_requests_from_20_clients(server, oai):
 
 def test_engine_side_failures_map_to_400(server, monkeypatch):
     """What slips past the server's checks is failed by the engine alone; that still reaches the client as a 400."""
-    monkeypatch.setattr(server.app.state.server, "_check_ids", lambda *args: None)
+    monkeypatch.setattr(server.app.state.server.jobs, "check_prompt", lambda *args: None)
     body = dict(model=MODEL, prompt=[1, 999], max_tokens=3)
     r = server.http.post("/v1/completions", json=body)
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
@@ -348,6 +351,61 @@ def test_engine_side_failures_map_to_400(server, monkeypatch):
     assert "vocabulary" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
     assert server.http.post("/v1/completions", json=dict(model=MODEL, prompt=[1, 2], max_tokens=2)).status_code == 200
     wait_idle(server)
+
+
+@pytest.mark.parametrize("kind, status", [(ErrorKind.INVALID_REQUEST, 400), (ErrorKind.CAPACITY, 400),
+                                          (ErrorKind.FORWARD, 500), (ErrorKind.SHUTDOWN, 503), (None, 500)])
+def test_a_failed_sequence_fails_its_request_by_error_kind(kind, status):
+    out = RequestOutput(request_id="r", prompt_ids=[1], status=RequestStatus.FAILED, error="why", error_kind=kind)
+    err = from_failed_output(out)
+    assert err.status_code == status and err.message == "why"
+    assert err.body()["error"]["type"] == {400: "invalid_request_error", 500: "internal_server_error",
+                                           503: "service_unavailable_error"}[status]
+
+
+def test_engine_rejections_name_the_openai_field():
+    err = from_invalid_request(InvalidRequestError("min_new_tokens must be >= 0", "min_new_tokens"), "prompt")
+    assert err.param == "min_tokens" and "'min_tokens'" in err.message
+    err = from_invalid_request(InvalidRequestError("too long", "max_new_tokens", "context_length_exceeded"),
+                               "messages")
+    assert err.param == "messages" and err.code == "context_length_exceeded"  # OpenAI names the prompt
+    assert from_invalid_request(InvalidRequestError("empty", "prompt", "empty_prompt"), "messages").param == "messages"
+
+
+def test_requests_cut_by_a_shutdown_answer_503():
+    """A hard stop fails queued requests with ErrorKind.SHUTDOWN: a 503 for a plain request, an error event for a
+    stream; neither is left waiting."""
+    app = create_app(tiny_model("qwen3"), tiny_tokenizer(), MODEL, _cb())
+    body = dict(model=MODEL, prompt=[1, 2, 3], max_tokens=4)
+    replies: dict = {}
+
+    def plain(client):
+        replies["plain"] = client.post("/v1/completions", json=body)
+
+    def stream(client):
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            replies["stream"] = [line for line in resp.iter_lines() if line]
+
+    with TestClient(app) as client:
+        backend = app.state.backend
+        assert client.post("/pause").json() == {"paused": True}
+        threads = [threading.Thread(target=fn, args=(client,)) for fn in (plain, stream)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while backend.manager.stats().queued < 2:  # both requests reached the manager
+            assert time.monotonic() < deadline, "the requests never reached the manager"
+            time.sleep(0.02)
+        backend.manager.stop(hard_stop=True, timeout=30)
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a request hung after the shutdown"
+    assert replies["plain"].status_code == 503
+    assert replies["plain"].json()["error"]["type"] == "service_unavailable_error"
+    error = json.loads(replies["stream"][-2][6:])["error"]
+    assert error["type"] == "service_unavailable_error" and "hard-stopped" in error["message"]
+    assert replies["stream"][-1] == "data: [DONE]"
+    assert backend.finished_counts()["error"] == 2
 
 
 def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
@@ -368,3 +426,98 @@ def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
         assert client.get("/v1/models").json()["data"][0]["id"] == "ckpt"
     assert not launched["app"].state.backend.healthy()
+
+
+# ------------------------------------------------------------------------------------------------------ /health
+class BreakableForward:
+    """A forward pre-hook that raises while `broken` is set, the way a bf16 matmul fails on a CPU without bf16
+    kernels: every forward of the model fails, and the engine keeps serving (failing each step's requests)."""
+
+    MESSAGE = "\"addmm_impl_cpu_\" not implemented for 'BFloat16'"
+
+    def __init__(self, model, broken: bool = True) -> None:
+        self.broken = broken
+        model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args) -> None:
+        if self.broken:
+            raise RuntimeError(self.MESSAGE)
+
+
+def _health(client) -> tuple[int, dict]:
+    r = client.get("/health")
+    return r.status_code, r.json()
+
+
+def test_health_is_degraded_while_forwards_fail_and_ok_after_one_succeeds():
+    model = tiny_model("qwen3")
+    forward = BreakableForward(model)
+    app = create_app(model, tiny_tokenizer(), MODEL, _cb())
+    body = dict(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+    with TestClient(app) as client:
+        code, state = _health(client)
+        assert code == 200 and state["status"] == "ok"  # nothing ran yet: no evidence against the model
+
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "BFloat16" in r.json()["error"]["message"]
+        code, state = _health(client)
+        assert code == 503 and state["status"] == "degraded"
+        assert state["consecutive_failures"] >= 1 and "BFloat16" in state["last_error"]
+        assert "model forward failed" in state["reason"] and "BFloat16" in state["reason"]
+        assert state["error"]["message"] == state["reason"]  # what RolloutClient.health() raises with
+        assert state["error"]["type"] == "service_unavailable_error"
+        assert state["last_success_time"] is None and state["last_error_time"] is not None
+
+        assert client.post("/v1/completions", json=body).status_code == 500
+        code, state = _health(client)
+        assert code == 503 and state["consecutive_failures"] >= 2 and "model forwards failed" in state["reason"]
+        failed_at = state["last_error_time"]
+
+        forward.broken = False
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+        code, state = _health(client)
+        assert code == 200 and state["status"] == "ok" and "reason" not in state
+        assert state["consecutive_failures"] == 0
+        assert "BFloat16" in state["last_error"] and state["last_success_time"] >= failed_at  # history is kept
+
+
+def test_health_recovers_without_traffic_through_its_probe():
+    """A load balancer stops sending requests to a 503 server; /health's own probe forward lets it come back."""
+    model = tiny_model("qwen3")
+    forward = BreakableForward(model)
+    app = create_app(model, tiny_tokenizer(), MODEL, _cb())
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json=dict(model=MODEL, prompt=[1, 2], max_tokens=2)).status_code == 500
+        forward.broken = False
+        deadline = time.monotonic() + 60
+        while (state := _health(client))[0] != 200:
+            assert state[1]["status"] == "degraded", state
+            assert time.monotonic() < deadline, f"never recovered: {state}"
+            time.sleep(0.05)
+        assert state[1]["status"] == "ok"
+        engine = app.state.backend.engine
+        assert engine.counters["forward_errors"] == 1 and not engine.health.failing
+        assert app.state.backend.finished.total() == 1  # the probe is not counted as a served request
+
+
+def test_serve_with_a_broken_bf16_forward_answers_500_and_health_503(tmp_path, monkeypatch):
+    """`rollout serve --dtype bfloat16` on a CPU whose bf16 forwards fail: completions 500, /health 503 with why."""
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    args = build_parser_args(argparse.ArgumentParser()).parse_args([
+        "--model", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu", "--page-size", "8", "--num-blocks", "32",
+        "--log-level", "warning"])
+    launched = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: launched.update(app=app, **kw))
+    serve(args)
+    app = launched["app"]
+    assert app.state.backend.model.dtype == torch.bfloat16
+    BreakableForward(app.state.backend.model)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=dict(model=str(tmp_path), prompt="w1 w2", max_tokens=4))
+        assert r.status_code == 500 and "model forward failed" in r.json()["error"]["message"]
+        code, state = _health(client)
+        assert code == 503 and state["status"] == "degraded" and "BFloat16" in state["error"]["message"]
+    code, state = _health(TestClient(app))  # after shutdown (lifespan ended): unhealthy for good
+    assert code == 503 and state["status"] == "unhealthy" and "shutting down" in state["reason"]

@@ -4,8 +4,8 @@ import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
-from models import greedy_reference, random_prompts, tiny_model
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams
+from tests.helpers.models import greedy_reference, random_prompts, tiny_model
 from trainer_hooks import WeightSync, WeightSyncCallback, rollout_metrics
 
 CB = ContinuousBatchingConfig(page_size=8, num_blocks=256)

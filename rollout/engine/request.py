@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 from rollout.sampling_params import ResolvedSampling
 
@@ -21,6 +21,15 @@ class RequestStatus(IntEnum):
 
 
 TERMINAL = (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+class ErrorKind(str, Enum):
+    """Why a FAILED request failed, so callers (the server's status codes) never parse messages."""
+
+    INVALID_REQUEST = "invalid_request"  # the prompt or its settings are wrong: fix the request
+    CAPACITY = "capacity"  # the request cannot fit the KV cache even alone: a bigger cache or a shorter request
+    FORWARD = "forward"  # the model's forward raised: a server-side problem
+    SHUTDOWN = "shutdown"  # the manager was stopped, destroyed or died before the request finished
 
 
 @dataclass
@@ -42,11 +51,18 @@ class RequestOutput:
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None  # set when status is FAILED
     created_time: float = 0.0
     finished_time: float | None = None
 
     def is_finished(self) -> bool:
         return self.status in TERMINAL
+
+    @classmethod
+    def failure(cls, request_id: str, prompt_ids: list[int], error: str, kind: ErrorKind) -> RequestOutput:
+        """The output of a request that failed before the engine ran any of it."""
+        return cls(request_id=request_id, prompt_ids=prompt_ids, status=RequestStatus.FAILED, finish_reason="error",
+                   error=error, error_kind=kind)
 
 
 class Request:
@@ -58,10 +74,27 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_ids", "tokens", "sampling", "status", "block_table", "num_computed",
-        "num_hashed_blocks", "block_hashes", "logprobs", "policy_logprobs", "kept_logmass", "weight_versions",
-        "finish_reason", "error", "arrival", "created_time", "finished_time", "streaming", "followers",
-        "kv_version", "num_prefix_hit_tokens",
+        "block_hashes",
+        "block_table",
+        "created_time",
+        "error",
+        "error_kind",
+        "finish_reason",
+        "finished_time",
+        "kept_logmass",
+        "kv_version",
+        "logprobs",
+        "num_computed",
+        "num_hashed_blocks",
+        "num_prefix_hit_tokens",
+        "policy_logprobs",
+        "prompt_ids",
+        "request_id",
+        "sampling",
+        "status",
+        "streaming",
+        "tokens",
+        "weight_versions",
     )
 
     def __init__(
@@ -69,7 +102,6 @@ class Request:
         request_id: str,
         prompt_ids: list[int],
         sampling: ResolvedSampling,
-        arrival: int = 0,
         streaming: bool = False,
     ) -> None:
         self.request_id = request_id
@@ -87,11 +119,10 @@ class Request:
         self.weight_versions: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.arrival = arrival
+        self.error_kind: ErrorKind | None = None
         self.created_time = time.perf_counter()
         self.finished_time: float | None = None
         self.streaming = streaming
-        self.followers: list[Request] = []  # siblings of an n-sample group waiting to fork off this prefill
         self.kv_version = 0  # weight version the cached KV of this request was computed under
         self.num_prefix_hit_tokens = 0
 
@@ -110,10 +141,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in TERMINAL
 
-    def finish(self, status: RequestStatus, reason: str | None, error: str | None = None) -> None:
+    def finish(self, status: RequestStatus, reason: str | None, error: str | None = None,
+               error_kind: ErrorKind | None = None) -> None:
         self.status = status
         self.finish_reason = reason
         self.error = error
+        self.error_kind = error_kind
         self.finished_time = time.perf_counter()
 
     def to_output(self) -> RequestOutput:
@@ -128,6 +161,7 @@ class Request:
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,
+            error_kind=self.error_kind,
             created_time=self.created_time,
             finished_time=self.finished_time,
         )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rollout.sampling_params import ResolvedSampling
+from rollout.seeding import SeedStream, derive_seed
 
 _NEG_INF = float("-inf")
 
@@ -37,11 +38,6 @@ class SampleResult:
     logprobs: list[float]
     policy_logprobs: list[float]
     kept_logmass: list[float]
-
-
-def seeded_noise_key(seed: int, position: int) -> int:
-    """A 63-bit generator seed from (request seed, absolute position): deterministic across runs and processes."""
-    return hash((seed, position, 0x5EED)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def keyed_uniforms(keys: list[int]) -> np.ndarray:
@@ -66,7 +62,7 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         logits = logits.float()
-        num_rows, vocab = logits.shape
+        num_rows = logits.shape[0]
         if num_rows == 0:
             return SampleResult([], [], [], [])
         params = [r.sampling for r in rows]
@@ -157,7 +153,7 @@ class Sampler:
             uniforms[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=torch.float64)
         seeded = [i for i, r in enumerate(rows) if r.sampling.seed is not None and not r.sampling.greedy]
         if seeded:
-            keys = [seeded_noise_key(rows[i].sampling.seed, len(rows[i].tokens)) for i in seeded]
+            keys = [derive_seed(rows[i].sampling.seed, len(rows[i].tokens), SeedStream.NOISE) for i in seeded]
             uniforms[seeded] = torch.from_numpy(keyed_uniforms(keys))
         cdf = sample_lp.exp().cumsum(dim=-1, dtype=torch.float64)
         threshold = uniforms[:, None] * cdf[:, -1:]  # scaled by the row's total: robust to rounding in the sum

@@ -1,4 +1,9 @@
-"""Who runs this step: token budget, chunked prefill, admission with a safety margin, preemption.
+"""The request lifecycle: who runs each step, and what happens to requests after it.
+
+`schedule()` decides the step (token budget, chunked prefill, admission with a safety margin, preemption) and hands
+the model runner one StepPlan; `update(plan, sampled)` takes the sampled tokens back: it appends them, applies the
+stop rule, forks n-sample groups off their shared prefill, finishes requests and returns their outputs. Every queue
+edit happens here, so the engine around it is just schedule -> run -> sample -> update.
 
 Every running request has `num_pending` tokens whose KV is not yet in the cache (a whole prompt, a chunk of it, the
 one token sampled last step, or prompt + generated after preemption). A step gives each scheduled request up to that
@@ -10,37 +15,92 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from rollout.engine.block_pool import BlockPool, hash_chain
-from rollout.engine.request import Request, RequestStatus
+from rollout.engine.request import ErrorKind, Request, RequestOutput, RequestStatus
+from rollout.engine.sampler import SampleResult
+from rollout.engine.sequence_group import SequenceGroup
 from rollout.engine.step import StepPlan
+from rollout.engine.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
 
 
+CopyBlock = Callable[[int, int, int], None]  # (source block, target block, tokens): copies KV for a fork
+
+
 class Scheduler:
-    """Owns the waiting queue and the running list; allocates blocks through the pool; emits a StepPlan."""
+    """Owns every live request, the waiting queue and the running list; allocates blocks through the pool.
+
+    Sequences of one prompt share its prefill: the queued leader runs the prompt and the others (`_forks`) fork off it
+    when its first token is sampled. Identical prompts queued by other requests join a leader that has not started yet
+    (`_open`), so TRL's repeated prompts and per-sample requests are prefilled once too.
+    """
 
     def __init__(self, pool: BlockPool, page_size: int, max_batch_tokens: int, max_requests_per_batch: int,
-                 policy: str = "fifo", safety_margin: float = 0.0) -> None:
+                 policy: str = "fifo", safety_margin: float = 0.0, stop: StopChecker | None = None,
+                 copy_block: CopyBlock | None = None, share_prefills: bool = True) -> None:
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.policy = policy
         self.safety_margin = safety_margin
+        self.stop = stop or StopChecker()
+        self.copy_block = copy_block
+        self.share_prefills = share_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # live sequences by id
+        self.groups: dict[str, SequenceGroup] = {}  # live requests by request id
+        self._group_of: dict[Request, SequenceGroup] = {}
+        self._forks: dict[Request, list[Request]] = {}  # leader -> sequences that fork off its prefill
+        self._open: dict[tuple[int, ...], Request] = {}  # prompt -> queued leader identical prompts may join
+        self._outbox: list[RequestOutput] = []  # outputs produced between two updates (failures, cancels)
         self.weight_version = 0
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prefill entries cut short by the budget or memory
+        self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_tokens=0, decode_tokens=0,
+                             prefix_hit_tokens=0)
 
     # ------------------------------------------------------------------ queues
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def id_in_use(self, request_id: str, sequence_ids: Iterable[str]) -> str | None:
+        """The first of a new request's ids that a live request already uses, or None."""
+        if request_id in self.groups:
+            return request_id
+        return next((rid for rid in sequence_ids if rid in self.requests or rid in self.groups), None)
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a request's sequences: one prefill for the group (or none, if an identical prompt is queued)."""
+        taken = self.id_in_use(group.request_id, group.ids)
+        if taken is not None:
+            raise ValueError(f"request id {taken!r} is already in use; pass a unique request_id")
+        self.groups[group.request_id] = group
+        for member in group.members:
+            self.requests[member.request_id] = member
+            self._group_of[member] = group
+        self.counters["prompt_tokens"] += len(group.leader.prompt_ids)
+        key = tuple(group.leader.prompt_ids)
+        leader = self._open.get(key)
+        if leader is not None:
+            self._forks[leader].extend(group.members)
+            return
+        self._forks[group.leader] = group.members[1:]
+        self.waiting.append(group.leader)
+        if self.share_prefills:
+            self._open[key] = group.leader
+
+    def reject(self, outputs: Iterable[RequestOutput]) -> None:
+        """Outputs of requests that failed before they were queued, returned with the next update."""
+        self._outbox.extend(outputs)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._outbox)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outbox = self._outbox, []
+        return outputs
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -49,6 +109,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = [self.max_batch_tokens]
+        failed = len(self._outbox)
         if self.policy == "fifo":
             self._schedule_running(plan, budget, decode=True)
             self._schedule_running(plan, budget, decode=False)
@@ -57,8 +118,13 @@ class Scheduler:
             self._schedule_running(plan, budget, decode=False)
             self._admit_waiting(plan, budget)
             self._schedule_running(plan, budget, decode=True)
-        if not plan.requests and self.running and not plan.failed:
-            self._fail_unschedulable(plan)
+        if not plan.requests and self.running and len(self._outbox) == failed:
+            self._fail_unschedulable()
+        for row, entry in enumerate(plan.sample_rows):
+            leader = plan.requests[entry]
+            for member in [leader, *self._forks.get(leader, ())]:
+                plan.sampled.append(member)
+                plan.logit_rows.append(row)
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: list[int], decode: bool) -> None:
@@ -108,7 +174,6 @@ class Scheduler:
         self.release(request)
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
-        plan.preempted.append(request)
         self.num_preemptions += 1
         logger.debug("preempted %s to free KV blocks", request.request_id)
 
@@ -119,11 +184,10 @@ class Scheduler:
             if self.running and self.pool.num_free < reserve:
                 return
             if self.blocks_for(len(request.tokens) + 1) > self.pool.num_blocks:
-                self.waiting.popleft()
-                plan.failed.append(request)
-                request.error = (f"request {request.request_id!r} needs {self.blocks_for(len(request.tokens) + 1)} "
-                                 f"KV blocks of {self.page_size} tokens but the cache has only {self.pool.num_blocks}; "
-                                 "raise num_blocks (or page_size) in ContinuousBatchingConfig or shorten the prompt")
+                error = (f"needs {self.blocks_for(len(request.tokens) + 1)} KV blocks of {self.page_size} tokens but "
+                         f"the cache has only {self.pool.num_blocks}; raise num_blocks (or page_size) in "
+                         "ContinuousBatchingConfig or shorten the prompt")
+                self._fail_with_forks(request, error, ErrorKind.CAPACITY)
                 continue
             self._attach_prefix(request)
             num = min(request.num_pending, budget[0])
@@ -138,6 +202,7 @@ class Scheduler:
                 needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
             request.block_table.extend(self.pool.allocate(max(needed, 0)))
             self.waiting.popleft()
+            self._close(request)  # it starts now: identical prompts arriving later queue a prefill of their own
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
             self._plan_add(plan, request, num)
@@ -160,17 +225,112 @@ class Scheduler:
         request.num_hashed_blocks = len(request.block_table)
         request.num_prefix_hit_tokens = request.num_computed
 
-    def _fail_unschedulable(self, plan: StepPlan) -> None:
+    def _fail_unschedulable(self) -> None:
         """Nothing could run: the oldest running request cannot fit even alone. Fail it rather than spin."""
         request = self.running[0]
-        self.running.remove(request)
-        self.release(request)
-        request.error = (f"request {request.request_id!r} ran out of KV cache at {len(request.tokens)} tokens with "
-                         f"{self.pool.num_blocks} blocks of {self.page_size}; raise num_blocks in "
-                         "ContinuousBatchingConfig or lower max_new_tokens")
-        plan.failed.append(request)
+        error = (f"ran out of KV cache at {len(request.tokens)} tokens with {self.pool.num_blocks} blocks of "
+                 f"{self.page_size}; raise num_blocks in ContinuousBatchingConfig or lower max_new_tokens")
+        self._fail_with_forks(request, error, ErrorKind.CAPACITY)
 
     # ---------------------------------------------------------------- lifecycle
+    def update(self, plan: StepPlan, sampled: SampleResult, weight_version: int) -> list[RequestOutput]:
+        """Take a finished forward back: count the computed tokens, append each sampled token with its logprobs,
+        fork groups off their prefill, stop what is done. Returns the outputs of this step (finished requests and
+        streaming partials, plus anything that failed or was cancelled since the last update)."""
+        for req, num in zip(plan.requests, plan.query_lens):
+            req.num_computed += num
+            self.counters["decode_tokens" if num == 1 and req.num_generated else "prefill_tokens"] += num
+        for i, req in enumerate(plan.sampled):
+            req.tokens.append(sampled.tokens[i])
+            req.logprobs.append(sampled.logprobs[i])
+            req.policy_logprobs.append(sampled.policy_logprobs[i])
+            req.kept_logmass.append(sampled.kept_logmass[i])
+            req.weight_versions.append(weight_version)
+            req.status = RequestStatus.DECODING
+        self.counters["generated_tokens"] += len(plan.sampled)
+        for entry in plan.sample_rows:
+            self._fork_all(plan.requests[entry])
+        for req in plan.sampled:
+            reason = self.stop(req)
+            if reason is not None:
+                self._finish(req, RequestStatus.FINISHED, reason)
+            elif req.streaming:
+                self._outbox.append(req.to_output())
+        return self.take_outputs()
+
+    def fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+        """The forward of `plan` raised: unpublish its blocks and fail its requests (sequences waiting to fork off a
+        failed prefill get a prefill of their own)."""
+        self.pool.unregister(plan.registered_blocks)
+        for req in plan.requests:
+            self._hand_over(req)
+            self._finish(req, RequestStatus.FAILED, "error", f"model forward failed: {error}", ErrorKind.FORWARD)
+        return self.take_outputs()
+
+    def cancel(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a sequence, or every live sequence of a request, and free the blocks now; [] if none is live."""
+        if request_id in self.requests:
+            targets = [self.requests[request_id]]
+        else:
+            group = self.groups.get(request_id)
+            targets = group.live() if group is not None else []
+        for req in targets:
+            leader = next((lead for lead, forks in self._forks.items() if req in forks), None)
+            if leader is not None:
+                self._forks[leader].remove(req)
+            else:
+                self._hand_over(req)
+            self._finish(req, RequestStatus.CANCELLED, "cancelled")
+        return self.take_outputs()
+
+    def fail_all(self, error: str, kind: ErrorKind = ErrorKind.SHUTDOWN) -> list[RequestOutput]:
+        """Fail every live request (hard stop): blocks are released, outputs carry `error`."""
+        self._forks.clear()
+        self._open.clear()
+        for req in list(self.requests.values()):
+            self._finish(req, RequestStatus.FAILED, "error", error, kind)
+        return self.take_outputs()
+
+    def _finish(self, req: Request, status: RequestStatus, reason: str, error: str | None = None,
+                kind: ErrorKind | None = None) -> None:
+        """Leave the queues, free the blocks, forget the request; its output goes out with the next update."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.release(req)
+        self._close(req)
+        req.finish(status, reason, f"request {req.request_id!r}: {error}" if error else None, kind)
+        self.requests.pop(req.request_id, None)
+        group = self._group_of.pop(req, None)
+        if group is not None and not group.live():
+            del self.groups[group.request_id]
+        self.counters["prefix_hit_tokens"] += req.num_prefix_hit_tokens
+        self._outbox.append(req.to_output())
+
+    def _fail_with_forks(self, leader: Request, error: str, kind: ErrorKind) -> None:
+        """A prefill that can never run fails the sequences waiting to fork off it too (they need the same room)."""
+        for member in [leader, *self._forks.pop(leader, ())]:
+            self._finish(member, RequestStatus.FAILED, "error", error, kind)
+
+    def _hand_over(self, leader: Request) -> None:
+        """A leader leaves before its forks could fork: the first of them takes its place at the queue's front."""
+        forks = self._forks.pop(leader, [])
+        if not forks:
+            return
+        heir = forks[0]
+        self._forks[heir] = forks[1:]
+        self.waiting.appendleft(heir)
+        key = tuple(leader.prompt_ids)
+        if self._open.get(key) is leader:  # identical prompts arriving later still join the group
+            self._open[key] = heir
+
+    def _close(self, leader: Request) -> None:
+        """Identical prompts may no longer join `leader`'s prefill."""
+        key = tuple(leader.prompt_ids)
+        if self._open.get(key) is leader:
+            del self._open[key]
+
     def release(self, request: Request) -> None:
         """Return a request's blocks to the pool (tail first, so cached heads outlive tails) and reset its KV state."""
         self.pool.release(reversed(request.block_table))
@@ -178,15 +338,8 @@ class Scheduler:
         request.num_computed = 0
         request.num_hashed_blocks = 0
 
-    def finish(self, request: Request) -> None:
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.release(request)
-
     def _plan_add(self, plan: StepPlan, request: Request, num: int) -> None:
-        if 1 < request.num_pending and num < request.num_pending:
+        if request.num_pending > 1 and num < request.num_pending:
             self.num_chunked_prefills += 1
         plan.add(request, num)
         plan.registered_blocks.extend(self._register_full_blocks(request, request.num_computed + num))
@@ -211,7 +364,16 @@ class Scheduler:
         request.num_hashed_blocks = full
         return registered
 
-    def fork(self, leader: Request, follower: Request, copy_block) -> bool:
+    def _fork_all(self, leader: Request) -> None:
+        """The leader's prompt is computed and its first token sampled: its forks join the running list."""
+        for follower in self._forks.pop(leader, ()):
+            if self.stop(follower) is not None:
+                continue  # finished on its first token (the stop check follows); nothing to allocate
+            if not self._fork(leader, follower):
+                follower.status = RequestStatus.PENDING  # no room for its partial block: recompute later
+                self.waiting.appendleft(follower)
+
+    def _fork(self, leader: Request, follower: Request) -> bool:
         """Give `follower` the leader's computed prompt: shared full blocks, a private copy of the partial block."""
         full, partial = divmod(leader.num_computed, self.page_size)
         if partial and self.pool.num_free < 1:
@@ -221,7 +383,7 @@ class Scheduler:
             self.pool.share(block)
         if partial:
             (new_block,) = self.pool.allocate(1)
-            copy_block(leader.block_table[full], new_block, partial)
+            self.copy_block(leader.block_table[full], new_block, partial)
             follower.block_table.append(new_block)
         follower.num_computed = leader.num_computed
         follower.kv_version = leader.kv_version
@@ -241,3 +403,11 @@ class Scheduler:
             self.waiting.appendleft(request)
         return preempted
 
+    def check_invariants(self) -> None:
+        """Every live sequence is in exactly one place (running, waiting, or forking off a leader), and the pool's ref
+        counts match the live block tables (used by tests)."""
+        places = [*self.running, *self.waiting, *(f for forks in self._forks.values() for f in forks)]
+        assert len(places) == len(set(places)), "a sequence is queued twice"
+        assert set(places) == set(self.requests.values()), "live sequences and queues disagree"
+        assert all(leader in self.requests.values() for leader in self._forks), "forks of a finished leader"
+        self.pool.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting])

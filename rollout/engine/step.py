@@ -13,7 +13,9 @@ class StepPlan:
 
     Entry `i` runs `query_lens[i]` tokens of `requests[i]` starting at position `start_positions[i]`; its KV for
     positions `[0, start + query_len)` lives in the slots of `block_tables[i]`. `sample_rows` lists the entries whose
-    pending tokens are all covered by this step: their last position yields logits and a new token.
+    pending tokens are all covered by this step: their last position yields logits and a new token. `sampled[j]` draws
+    a token from logits row `logit_rows[j]` (an index into `sample_rows`): a group's sequences that fork off a prefill
+    all draw from their leader's row.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -22,8 +24,8 @@ class StepPlan:
     start_positions: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
     registered_blocks: list[int] = field(default_factory=list)  # published in the prefix cache by this step
 
     @property

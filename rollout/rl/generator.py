@@ -7,11 +7,14 @@ a base seed, so a batch is reproducible and independent of what else runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
+import numbers
 import random
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,14 +24,16 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.request import RequestStatus
-from rollout.manager import ContinuousBatchingManager, sequence_ids
-from rollout.rl.weights import WeightUpdateError, apply_staged, stage_update
+from rollout.engine.sequence_group import sequence_ids
+from rollout.manager import ContinuousBatchingManager, ManagerError
+from rollout.rl.weights import StagedPairs, WeightUpdateError, apply_staged, check_on_update, stage_update
 from rollout.sampling_params import SamplingParams
+from rollout.seeding import SeedStream, derive_seed
 
 logger = logging.getLogger(__name__)
 
 Prompt = Sequence[int] | str | list[dict]
-_SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
+_MAX_LISTED_PROBLEMS = 5  # bad prompts named one by one in a rejection message; the rest are counted
 
 
 @dataclass
@@ -52,7 +57,7 @@ class RolloutBatch:
 
     samples: list[RolloutSample]
     group_sizes: list[int]
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # this call's EngineStats window (as_dict) + seconds, tokens_per_second
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -140,6 +145,9 @@ class RolloutGenerator:
         self._rng = random.Random(seed if seed is not None else config.seed)
         self._calls = 0
         self.last_update_seconds = 0.0
+        # A generator dropped (or still open at interpreter exit) without close(): hard-stop its loop so the thread
+        # ends and the manager, KV cache included, can be freed. Holds the manager, never the generator.
+        self._finalizer = weakref.finalize(self, _hard_stop, self.manager)
 
     # ------------------------------------------------------------------ status
     @property
@@ -150,6 +158,8 @@ class RolloutGenerator:
         return self.manager.stats()
 
     def close(self) -> None:
+        """Finish in-flight requests, stop the loop and free the KV cache."""
+        self._finalizer.detach()
         self.manager.destroy()
 
     def __enter__(self) -> RolloutGenerator:
@@ -160,7 +170,14 @@ class RolloutGenerator:
 
     # -------------------------------------------------------------- generation
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids for a prompt given as ids, text, or chat messages (chat template + generation prompt)."""
+        """Token ids for a prompt given as ids, text, or chat messages (chat template + generation prompt).
+
+        Raises ValueError if the prompt cannot be served (empty, ids outside the vocabulary, too long for the model).
+        """
+        return self._engine().validate_prompt(self._token_ids(prompt))
+
+    def _token_ids(self, prompt: Prompt):
+        """Text and chat prompts tokenized; id prompts passed through as given (validated by the engine's rule)."""
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
             if self.tokenizer is None:
                 raise ValueError("text and chat prompts need a tokenizer: RolloutGenerator(model, tokenizer=...)")
@@ -170,60 +187,140 @@ class RolloutGenerator:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if isinstance(prompt, torch.Tensor):
             return prompt.flatten().tolist()
-        return [int(t) for t in prompt]
+        if hasattr(prompt, "tolist"):  # numpy arrays and scalars: plain Python ints
+            prompt = prompt.tolist()
+        try:
+            return list(prompt)
+        except TypeError:
+            raise ValueError(f"a prompt must be token ids, a string or a list of chat messages, got "
+                             f"{type(prompt).__name__}") from None
+
+    def _engine(self):
+        engine = self.manager.engine
+        if engine is None:
+            raise ManagerError("this RolloutGenerator was closed; create a new one")
+        return engine
+
+    def _group_sizes(self, n: int | Sequence[int], count: int) -> list[int]:
+        """One group size per prompt, each an int >= 1; ValueError naming the bad value and its prompt otherwise."""
+        if isinstance(n, numbers.Integral) and not isinstance(n, bool):
+            if n < 1:
+                raise ValueError(f"n must be >= 1 (samples per prompt), got {n}")
+            return [int(n)] * count
+        if isinstance(n, (str, bytes)) or not isinstance(n, Sequence):
+            raise ValueError(f"n must be an int >= 1 or one int >= 1 per prompt, got {n!r}")
+        if len(n) != count:
+            raise ValueError(f"n has {len(n)} values for {count} prompts; pass one int, or exactly one per prompt")
+        for j, k in enumerate(n):
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+                raise ValueError(f"n[{j}] (the group size of prompt {j}) must be an int >= 1, got {k!r}")
+        return [int(k) for k in n]
+
+    def _prepare(self, prompts: Sequence[Prompt], n: int | Sequence[int],
+                 params: SamplingParams) -> list[tuple[int, list[int], int]]:
+        """Encode and check every prompt before any is submitted: (index, ids, group size) per prompt.
+
+        Uses the engine's own rules (the ones `add_request` applies), so a batch that passes here is not failed at
+        submission. Raises ValueError listing every bad prompt by index; nothing has been queued then.
+        """
+        if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__len__"):
+            raise ValueError(f"prompts must be a list of prompts (for one prompt, pass [prompt]), got "
+                             f"{type(prompts).__name__}")
+        try:
+            sizes = self._group_sizes(n, len(prompts))
+        except ValueError as err:
+            raise ValueError(f"{err}; nothing was submitted") from None
+        engine = self._engine()
+        try:
+            engine.validate_sampling(params)
+        except ValueError as err:
+            raise ValueError(f"sampling_params rejected, nothing was submitted: {err}") from err
+        prepared, problems = [], []
+        for j, prompt in enumerate(prompts):
+            try:
+                prepared.append((j, engine.validate_prompt(self._token_ids(prompt)), sizes[j]))
+            except (ValueError, TypeError) as err:
+                problems.append(f"prompt {j}: {err}")
+        if problems:
+            listed = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
+            more = len(problems) - _MAX_LISTED_PROBLEMS
+            tail = f"; and {more} more" if more > 0 else ""
+            raise ValueError(f"{len(problems)} of {len(prompts)} prompts cannot be served, so nothing was submitted "
+                             f"(fix or drop them and call again): {listed}{tail}")
+        return prepared
 
     def submit(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
                sampling_params: SamplingParams | None = None) -> list[tuple[int, list[int], list[str]]]:
         """Queue the prompts as n-sample groups; returns (prompt index, prompt ids, sequence ids) per prompt.
 
-        `n` is one group size for all prompts or one per prompt.
+        `n` is one group size for all prompts or one per prompt. All prompts are checked first: if any is bad,
+        ValueError names it and none is queued. Collect the results with `manager.get_result(sequence_id)`.
         """
-        sizes = [n] * len(prompts) if isinstance(n, int) else list(n)
-        if len(sizes) != len(prompts) or any(k < 1 for k in sizes):
-            raise ValueError(f"n must be >= 1 (one value, or one per prompt); got {n!r} for {len(prompts)} prompts")
         params = sampling_params or SamplingParams()
+        prepared = self._prepare(prompts, n, params)
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         self._calls += 1
         if not self.manager.is_running():
             self.manager.start()
         groups = []
-        for j, prompt in enumerate(prompts):
-            ids = self.encode(prompt)
-            seed = hash((base, j, 0x90)) & _SEED_MASK
-            rid = f"rollout{self._calls}-{j}"
-            self.manager.add_request(ids, request_id=rid,
-                                     sampling_params=params.with_overrides(n=sizes[j], seed=seed))
-            groups.append((j, ids, sequence_ids(rid, sizes[j])))
+        try:
+            for j, ids, size in prepared:
+                seed = derive_seed(base, j, SeedStream.PROMPT)
+                rid = f"rollout{self._calls}-{j}"
+                if self.manager.add_request(ids, request_id=rid,
+                                            sampling_params=params.with_overrides(n=size, seed=seed)) is None:
+                    raise ManagerError("the generator's manager is stopped and dropped the request; call "
+                                       "generator.manager.start() or create a new RolloutGenerator")
+                groups.append((j, ids, sequence_ids(rid, size)))
+        except BaseException:
+            self._abandon([rid for _, _, seq_ids in groups for rid in seq_ids])
+            raise
         return groups
+
+    def _abandon(self, sequence_ids_: Sequence[str]) -> None:
+        """Cancel sequences nobody will collect (their call failed) and drop their results, so nothing is left
+        running or holding KV blocks."""
+        for rid in sequence_ids_:
+            with contextlib.suppress(KeyError, ManagerError):
+                self.manager.cancel_request(rid)
+                self.manager.get_result(rid, timeout=0)
 
     def generate(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
                  sampling_params: SamplingParams | None = None) -> RolloutBatch:
-        """n completions per prompt (or n[j] for prompt j), prompt-major. Raises ValueError if a prompt was rejected."""
+        """n completions per prompt (or n[j] for prompt j), prompt-major.
+
+        Raises ValueError before submitting anything if a prompt or setting is bad, and ValueError after the batch
+        if a sample failed while running (e.g. it outgrew the KV cache). If the call is interrupted, what it
+        submitted is cancelled.
+        """
         start = time.perf_counter()
-        self.manager.engine.reset_peak()
+        self._engine().reset_peak()
         before = self.manager.stats()
         samples, errors = [], []
         groups = self.submit(prompts, n, sampling_params)
-        for j, ids, seq_ids in groups:
-            for rid in seq_ids:
+        order = [(j, ids, rid) for j, ids, seq_ids in groups for rid in seq_ids]
+        collected = 0
+        try:
+            for j, ids, rid in order:
                 out = self.manager.get_result(rid)
+                collected += 1
                 if out.status == RequestStatus.FAILED:
-                    errors.append(out.error)
+                    errors.append(f"prompt {j}: {out.error}")
                 samples.append(RolloutSample(
                     prompt_index=j, prompt_ids=ids, completion_ids=out.generated_tokens, logprobs=out.logprobs,
                     policy_logprobs=out.policy_logprobs, kept_logmass=out.kept_logmass,
                     weight_versions=out.weight_versions, finish_reason=out.finish_reason or "",
                     text=self.tokenizer.decode(out.generated_tokens, skip_special_tokens=True)
                     if self.tokenizer is not None else None))
+        except BaseException:
+            self._abandon([rid for _, _, rid in order[collected:]])
+            raise
         if errors:
             raise ValueError(f"{len(errors)} rollout sample(s) failed; first error: {errors[0]}")
         after = self.manager.stats()
         elapsed = time.perf_counter() - start
-        stats = {key: after[key] - before[key] for key in ("prefill_tokens", "decode_tokens", "generated_tokens",
-                                                          "prefix_hit_tokens", "steps", "preemptions")}
-        stats.update(seconds=elapsed, tokens_per_second=stats["generated_tokens"] / max(elapsed, 1e-9),
-                     kv_cache_usage=after["peak_used_blocks"] / after["num_blocks"],
-                     weight_version=after["weight_version"])
+        stats = after.since(before).as_dict()  # this call's work; peak usage is over the call (reset above)
+        stats.update(seconds=elapsed, tokens_per_second=stats["generated_tokens"] / max(elapsed, 1e-9))
         return RolloutBatch(samples=samples, group_sizes=[len(g[2]) for g in groups], stats=stats)
 
     # ----------------------------------------------------------------- weights
@@ -237,21 +334,37 @@ class RolloutGenerator:
         requests keep their KV (fast, slightly off-policy); `"recompute"` re-prefills them under the new weights.
         From now on no new request reuses prefix blocks computed under older weights.
         """
-        if on_update not in ("keep", "recompute"):
-            raise ValueError(f"on_update must be 'keep' or 'recompute', got {on_update!r}")
+        check_on_update(on_update)
         start = time.perf_counter()
         staged = None
         if not (self.share_weights and source is self.model):
             staged = stage_update(self.model, source)
-        with self.manager.pause():
-            if staged is not None:
-                apply_staged(staged)
-            engine = self.manager.engine
-            engine.set_weight_version(engine.weight_version + 1, recompute=on_update == "recompute")
-            version = engine.weight_version
+        version = self.apply_staged_update(staged, on_update)
         self.last_update_seconds = time.perf_counter() - start
         logger.debug("weights updated to version %d in %.3fs", version, self.last_update_seconds)
         return version
+
+    def apply_staged_update(self, staged: StagedPairs | None, on_update: str = "keep") -> int:
+        """Copy already validated values (`stage_update` / `StagedUpdate.pairs()`) into the model at a step boundary
+        and bump the weight version; returns it. None copies nothing (the model was changed in place).
+
+        The one commit path of every weight update, so staging (slow: reading, validating, converting) can happen
+        elsewhere (a server's upload threads) while only this short part holds the loop paused.
+        """
+        check_on_update(on_update)
+        with self.manager.pause():
+            if staged is not None:
+                apply_staged(staged)
+            engine = self._engine()
+            engine.set_weight_version(engine.weight_version + 1, recompute=on_update == "recompute")
+            return engine.weight_version
+
+
+def _hard_stop(manager: ContinuousBatchingManager) -> None:
+    """Finalizer of a RolloutGenerator: end its manager's loop without waiting (it may run inside the GC)."""
+    with contextlib.suppress(Exception):
+        manager.signal_stop(hard_stop=True, error="RuntimeError: the RolloutGenerator was garbage-collected or the "
+                                                   "interpreter is exiting; call close() to finish requests first")
 
 
 __all__ = ["RolloutBatch", "RolloutGenerator", "RolloutSample", "WeightUpdateError", "generation_copy"]

@@ -10,16 +10,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
 
+ON_UPDATE_MODES = ("keep", "recompute")  # what running requests do with their KV when new weights arrive
 _PREFIXES = ("base_model.model.", "module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 _SKIP = re.compile(r"(lora_|\.original_module\.|\.adapter_|prompt_encoder)")
 
 
 class WeightUpdateError(ValueError):
     """An update was rejected; the generation model still holds its previous weights."""
+
+
+StagedPairs = list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, validated new value), ready for apply_staged
+
+
+def check_on_update(on_update: str) -> None:
+    """Reject an unknown `on_update` mode before anything is staged."""
+    if on_update not in ON_UPDATE_MODES:
+        raise WeightUpdateError(f"on_update must be one of {ON_UPDATE_MODES}, got {on_update!r}")
 
 
 def normalize_name(name: str) -> str | None:
@@ -69,36 +80,53 @@ def _all_finite(value: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
-def stage_update(model: nn.Module, source) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Validate the whole source and return (live tensor, new value) pairs ready to copy. Raises WeightUpdateError.
+class StagedUpdate:
+    """Validated new values for the generation model, gathered from one source or from several parts of one update
+    (the chunks of an upload); nothing touches the live weights until `apply_staged(staged.pairs())`."""
 
-    A module or a mapping keeps its tensors alive and unchanged until we copy, so they are staged by reference (the
-    dtype conversion happens in the final copy). A stream may hand out tensors that are freed or reused right after
-    (ZeRO-3 gathers), so each is copied as it arrives, in the generation model's dtype and device.
-    """
-    transient = not isinstance(source, (nn.Module, Mapping))
-    targets = target_tensors(model)
-    staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for raw_name, tensor in iter_named_tensors(source):
-        name = normalize_name(raw_name)
-        if name is None:
-            continue
-        target = targets.get(name)
-        if target is None:
-            raise WeightUpdateError(f"unknown weight name {raw_name!r} (as {name!r}); the generation model has no "
-                                    "such parameter. Check that trainer and generator are the same architecture.")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise WeightUpdateError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, the generation model "
-                                    f"has {tuple(target.shape)}")
-        value = tensor.detach()
-        if transient:
-            value = value.to(device=target.device, dtype=target.dtype, copy=True)
-        if not _all_finite(value):
-            raise WeightUpdateError(f"non-finite values (nan/inf) in {name!r}; refusing the update")
-        staged[target.data_ptr()] = (target, value)  # tied names share storage: copy once
-    if not staged:
-        raise WeightUpdateError("the update contained no weights of the generation model")
-    return list(staged.values())
+    def __init__(self, model: nn.Module) -> None:
+        self._targets = target_tensors(model)
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by storage: tied names are copied once
+
+    def add(self, source) -> None:
+        """Validate every tensor of `source` and stage it. Raises WeightUpdateError on the first bad one.
+
+        A module or a mapping keeps its tensors alive and unchanged until we copy, so they are staged by reference
+        (the dtype conversion happens in the final copy). A stream may hand out tensors that are freed or reused right
+        after (ZeRO-3 gathers), so each is copied as it arrives, in the generation model's dtype and device.
+        """
+        transient = not isinstance(source, (nn.Module, Mapping))
+        for raw_name, tensor in iter_named_tensors(source):
+            name = normalize_name(raw_name)
+            if name is None:
+                continue
+            target = self._targets.get(name)
+            if target is None:
+                raise WeightUpdateError(f"unknown weight name {raw_name!r} (as {name!r}); the generation model has "
+                                        "no such parameter. Check that trainer and generator are the same "
+                                        "architecture.")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightUpdateError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, the generation "
+                                        f"model has {tuple(target.shape)}")
+            value = tensor.detach()
+            if transient:
+                value = value.to(device=target.device, dtype=target.dtype, copy=True)
+            if not _all_finite(value):
+                raise WeightUpdateError(f"non-finite values (nan/inf) in {name!r}; refusing the update")
+            self._staged[target.data_ptr()] = (target, value)
+
+    def pairs(self) -> StagedPairs:
+        """What to copy; WeightUpdateError if nothing of the generation model was staged."""
+        if not self._staged:
+            raise WeightUpdateError("the update contained no weights of the generation model")
+        return list(self._staged.values())
+
+
+def stage_update(model: nn.Module, source) -> StagedPairs:
+    """Validate the whole source and return (live tensor, new value) pairs ready to copy. Raises WeightUpdateError."""
+    staged = StagedUpdate(model)
+    staged.add(source)
+    return staged.pairs()
 
 
 @torch.no_grad()
@@ -106,3 +134,38 @@ def apply_staged(staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy validated values into the live tensors in place: storage (and every pointer to it) stays the same."""
     for target, value in staged:
         target.data.copy_(value)
+
+
+def load_safetensors_bytes(body: bytes, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of an in-memory safetensors file; WeightUpdateError naming `what` if it is not one."""
+    from safetensors.torch import load
+
+    try:
+        return load(body)
+    except Exception as err:  # safetensors raises its own error types for bad headers
+        raise WeightUpdateError(f"{what} is not a safetensors file: {err}") from err
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a checkpoint directory's *.safetensors files (or one file), one tensor at a time."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    if root.is_file() and root.suffix == ".safetensors":
+        files = [root]
+    elif root.is_dir():
+        files = sorted(root.glob("*.safetensors"))
+    else:
+        raise WeightUpdateError(f"{str(path)!r} is neither a directory nor a .safetensors file on the server")
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {str(path)!r} (save with save_pretrained(..., "
+                                "safe_serialization=True))")
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as err:
+            raise WeightUpdateError(f"cannot read {file.name}: {err}") from err
+        with handle as f:
+            names = f.keys()
+            for name in names:
+                yield name, f.get_tensor(name)

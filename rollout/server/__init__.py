@@ -1,11 +1,36 @@
 """OpenAI-compatible HTTP serving and RL control endpoints on one ContinuousBatchingManager.
 
-`create_app(model, tokenizer, model_name)` builds the FastAPI app; `serve(args)` loads a local checkpoint and runs
-uvicorn (options from `build_parser_args`). Talk to it with any OpenAI client, or with `rollout.client.RolloutClient`
-for rollouts with the full logprob contract and weight updates.
+`create_app(model, tokenizer, model_name)` builds the FastAPI app; `serve(args)` loads a checkpoint and runs uvicorn
+(options from `build_parser_args`). Talk to it with any OpenAI client, or with `rollout.client.RolloutClient` for
+rollouts with the full logprob contract and weight updates.
+
+Names are imported on first use, so `rollout.server.cli` (the command's options) works without fastapi installed.
 """
 
-from rollout.server.app import build_parser_args, create_app, load_model, serve
-from rollout.server.backend import ServerBackend
+from __future__ import annotations
 
-__all__ = ["ServerBackend", "build_parser_args", "create_app", "load_model", "serve"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "create_app": "rollout.server.app",
+    "OpenAIServing": "rollout.server.serving",
+    "ServerBackend": "rollout.server.backend",
+    "build_parser_args": "rollout.server.cli",
+    "load_model": "rollout.server.cli",
+    "serve": "rollout.server.cli",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollout.server' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = ["OpenAIServing", "ServerBackend", "build_parser_args", "create_app", "load_model", "serve"]

@@ -1,47 +1,19 @@
-"""OpenAI-compatible request bodies and the OpenAI error shape.
+"""OpenAI-compatible request and response bodies, and the OpenAI error shape.
 
 Request models accept (and ignore) fields we do not act on, because official clients send extras such as `user`;
-fields whose meaning we cannot honour (penalties, logit_bias, suffix, best_of) are rejected explicitly by the app
+fields whose meaning we cannot honour (penalties, logit_bias, suffix, best_of) are rejected explicitly by the server
 rather than silently ignored, so a caller never gets a result computed under settings it did not ask for.
+
+Response models are the only way a response body is built. OpenAI's own fields are always present (null when empty,
+as OpenAI sends them); this server's extensions (`rollout`, `token_ids`, `prompt_token_ids`, a stream chunk's
+`usage`) appear only when the request asked for them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class OpenAIError(Exception):
-    """A request-level failure rendered as `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.param = param
-        self.code = code
-        self.type = type or error_type(status_code)
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_type(status_code: int) -> str:
-    """OpenAI's error `type` for an HTTP status: clients branch on it, so keep the usual names."""
-    if status_code == 404:
-        return "not_found_error"
-    if status_code == 503:
-        return "service_unavailable_error"
-    if status_code >= 500:
-        return "internal_server_error"
-    return "invalid_request_error"
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class StreamOptions(BaseModel):
@@ -106,3 +78,163 @@ class UpdateFromPathRequest(BaseModel):
 
     path: str
     on_update: str = "keep"
+
+
+# ------------------------------------------------------------------------------------------------------ responses
+class _Body(BaseModel):
+    """A response body: the fields named in `optional` are left out when None instead of sent as null."""
+
+    optional: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        out = {key: value for key, value in data.items() if key not in self.optional}
+        out.update((key, value) for key, value in data.items() if key in self.optional and value is not None)
+        return out
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RolloutTokens(BaseModel):
+    """The RL contract per generated token (see the `rollout` field in rollout/server/app.py's docstring)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    policy_logprobs: list[float | None]
+    kept_logmass: list[float | None]
+    weight_versions: list[int]
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs object."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class _ChoiceExtras(_Body):
+    """What a choice carries beyond OpenAI's fields when the request asked for it."""
+
+    optional: ClassVar[frozenset[str]] = frozenset({"rollout", "prompt_token_ids", "token_ids"})
+
+    rollout: RolloutTokens | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionChoice(_ChoiceExtras):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(_ChoiceExtras):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatDelta(_Body):
+    optional: ClassVar[frozenset[str]] = frozenset({"role", "content"})
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_ChoiceExtras):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _Response(_Body):
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(_Response):
+    """One SSE chunk of a streamed completion (OpenAI reuses the non-streamed `object` name here)."""
+
+    optional: ClassVar[frozenset[str]] = frozenset({"usage"})
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    optional: ClassVar[frozenset[str]] = frozenset({"usage"})
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rollout"
+    root: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

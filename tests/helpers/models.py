@@ -6,9 +6,19 @@ import copy
 
 import torch
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
+
+from rollout.sampling_params import SamplingParams
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -32,7 +42,7 @@ def _build(kind: str):
 
 
 def tiny_model(kind: str = "qwen3", seed: int = 0, lm_head_scale: float = 8.0):
-    """A tiny fp32 model; the output head is scaled so greedy argmax margins are clear (see SPEC section 4)."""
+    """A tiny fp32 model; the output head is scaled so greedy argmax margins are clear."""
     torch.manual_seed(seed)
     model = _build(kind).eval()
     with torch.no_grad():
@@ -52,6 +62,11 @@ def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]
 
 
 @torch.no_grad()
+def greedy(max_new_tokens: int = 5, **kw) -> SamplingParams:
+    """Greedy sampling settings (tests pass the rest, e.g. n or ignore_eos)."""
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kw)
+
+
 def greedy_reference(model, prompt: list[int], max_new_tokens: int, tie_gap: float = 1e-4, force_length: bool = True,
                      **generate_kwargs) -> tuple[list[int], int]:
     """model.generate's greedy tokens and how many of them are safe to compare (before the first near-tie).
@@ -96,5 +111,26 @@ def run_engine(engine, max_steps: int = 2000) -> dict:
         engine.check_invariants()
     assert not engine.has_unfinished(), "the engine did not finish"
     stats = engine.stats()
-    assert stats["free_blocks"] == stats["num_blocks"], "KV blocks leaked"
+    assert stats.free_blocks == stats.num_blocks, "KV blocks leaked"
     return done
+
+
+def long_context_model(seed: int = 0, max_positions: int = 1 << 15):
+    """A tiny Llama with a long context: a generation can then run far longer than the script that started it."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**COMMON, "max_position_embeddings": max_positions})).eval()
+
+
+def tiny_unsupported_model(kind: str = "falcon"):
+    """A tiny model whose attention bypasses transformers' attention interface: Falcon (new decoder architecture)
+    does its own attention math; BLOOM never calls an attention function at all."""
+    from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "falcon":
+        return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                              max_position_embeddings=512)).eval()
+    if kind == "bloom":
+        return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)).eval()
+    raise ValueError(kind)

@@ -1,0 +1,123 @@
+"""RoutedRequest: how one HTTP request's outputs travel from the manager's loop thread to the event loop.
+
+The manager calls `on_output` (its output router) for every output of the request's sequences, on its own thread;
+`on_output` only hands the output to the event loop with `call_soon_threadsafe`, so the loop thread never waits on
+the server. The HTTP side reads the outputs as (choice index, output) pairs, streamed or all at once, and closing
+the request early (the client went away) cancels the sequences that have not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from rollout.engine.request import RequestOutput
+from rollout.engine.sequence_group import sequence_ids
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.5  # how often a request waiting for its results checks that its client is still there
+
+
+class RoutedRequest:
+    """The sequences of one HTTP request (one manager request per prompt) and the queue their outputs arrive on.
+
+    `close()` must work without awaiting (a disconnected client's task is cancelled, and a streaming response that
+    never started never iterates), so it is synchronous and also runs when the object is garbage-collected. The
+    manager holds only `on_output` (which holds the queue, not this object), so dropping the object is enough.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancel: Callable[[list[str]], None],
+                 on_final: Callable[[RequestOutput], None]) -> None:
+        self._cancel = cancel
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.on_output = _router_callback(loop, self._queue, on_final)
+        self._choice: dict[str, int] = {}  # sequence id -> choice index (prompt-major)
+        self._owner: dict[str, str] = {}  # sequence id -> manager request id (what cancel takes)
+        self._finals: dict[int, RequestOutput] = {}
+        self._closed = False
+
+    def expect(self, request_id: str, n: int) -> None:
+        """Register a manager request of `n` sequences; its choices follow those registered before."""
+        for seq_id in sequence_ids(request_id, n):
+            self._choice[seq_id] = len(self._choice)
+            self._owner[seq_id] = request_id
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._choice)
+
+    # ------------------------------------------------------------ reading
+    def __aiter__(self) -> RoutedRequest:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        """The next (choice index, output); ends once every sequence has its final output."""
+        if self._closed or len(self._finals) == self.num_choices:
+            raise StopAsyncIteration
+        try:
+            return await self._next()
+        except BaseException:  # cancelled while waiting: the client went away
+            self.close()
+            raise
+
+    async def _next(self) -> tuple[int, RequestOutput]:
+        out = await self._queue.get()
+        index = self._choice[out.request_id]
+        if out.is_finished():
+            self._finals[index] = out
+        return index, out
+
+    async def results(self, disconnected: Callable[[], Awaitable[bool]] | None = None,
+                      poll_s: float = DISCONNECT_POLL_S) -> list[RequestOutput] | None:
+        """Every final output in choice order; None (after cancelling the rest) if the client went away first."""
+        try:
+            while len(self._finals) < self.num_choices:
+                try:
+                    await asyncio.wait_for(self._next(), timeout=poll_s if disconnected else None)
+                except asyncio.TimeoutError:
+                    if await disconnected():
+                        logger.info("client disconnected; cancelling %s", self._unfinished_requests())
+                        self.close()
+                        return None
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        return [self._finals[i] for i in range(self.num_choices)]
+
+    # ------------------------------------------------------------ closing
+    def _unfinished_requests(self) -> list[str]:
+        done = {seq_id for seq_id, index in self._choice.items() if index in self._finals}
+        return sorted({self._owner[seq_id] for seq_id in self._choice if seq_id not in done})
+
+    def close(self) -> None:
+        """Cancel every sequence that has not finished (idempotent, never blocks)."""
+        if self._closed:
+            return
+        self._closed = True
+        left = self._unfinished_requests()
+        if left:
+            logger.info("request closed early; cancelling %s", left)
+            self._cancel(left)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _router_callback(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
+                     on_final: Callable[[RequestOutput], None]) -> Callable[[RequestOutput], None]:
+    """The manager's on_output callback for one request: runs on the manager's threads and never blocks."""
+
+    def on_output(out: RequestOutput) -> None:
+        if out.is_finished():
+            on_final(out)
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: the server is shutting down
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    return on_output

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny models and tokenizers built from configs, a background server, W&B log reading."""
