@@ -28,9 +28,9 @@ DEFAULT_MAX_REQUESTS = 1024
 CPU_DEFAULT_CACHE_BYTES = 512 * 1024**2
 CPU_DEFAULT_CACHE_TOKENS = 65536
 # Tokens per KV page when `page_size` is left unset, per device type. CPU: small pages waste less of the last page per
-# sequence and keep the attention kernel's per-page loop short; W1 ran about 15% faster at 32 than at 256 on a 2-core
-# AVX2 machine and no slower on AVX-512 (`python benchmarks/page_size.py`). CUDA: flash-attn's paged kernels need a
-# multiple of 256.
+# sequence and keep the attention kernel's per-page loop short; on W1 (`python benchmarks/page_size.py`) 16, 32 and 64
+# are within 2% of each other while 256 is 19% slower with 180 MiB more peak RSS on a 2-core AVX-512 machine (about
+# 15% slower on an AVX2 one). CUDA: flash-attn's paged kernels need a multiple of 256.
 DEFAULT_PAGE_SIZE = {"cpu": 32, "cuda": 256}
 FALLBACK_PAGE_SIZE = 256
 
