@@ -25,6 +25,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout import interpreter_exit
@@ -72,6 +73,7 @@ class ContinuousBatchingManager:
         self._fatal: BaseException | None = None
         self._pause_count = 0
         self._in_step = False
+        self._threads = 0  # intra-op threads of the last submitter, which the loop adopts (0: leave torch's)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -201,6 +203,7 @@ class ContinuousBatchingManager:
                 self._pending.update(ids)
                 self._streams.update((rid, queue.SimpleQueue()) for rid in ids if streaming)
             self._inbox.append((request_id, list(input_ids), params, streaming))
+            self._threads = torch.get_num_threads()  # the loop steps with the submitter's intra-op thread count
             self._cv.notify_all()
         return request_id
 
@@ -300,6 +303,7 @@ class ContinuousBatchingManager:
                         engine = self._require_engine()
                         outputs = self._drain_inbox(engine)
                         if engine.has_unfinished():
+                            self._follow_thread_count()
                             outputs += engine.step()
                         else:
                             drained = self._stopping
@@ -379,6 +383,13 @@ class ContinuousBatchingManager:
             self._cv.notify_all()
 
     # ----------------------------------------------------------------- helpers
+    def _follow_thread_count(self) -> None:
+        """Step with the intra-op thread count of the last submitter. torch's count is per thread and the loop's
+        OpenMP team is sized at its first parallel region, so a trainer's later `torch.set_num_threads` would never
+        reach the loop otherwise (colocated trainer and engine must agree on how many cores they take in turn)."""
+        if self._threads and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+
     def _non_streaming_pending(self) -> bool:
         return any(rid not in self._streams for rid in self._pending)
 

@@ -466,3 +466,24 @@ def test_a_dead_loop_fails_routed_requests_as_shutdown(model, monkeypatch):
     _assert_one_final_each(recorder)
     with pytest.raises(ManagerError, match="scheduler bug"):  # unrouted callers still raise
         manager.get_result(plain, timeout=30)
+
+
+def test_the_loop_steps_with_the_submitters_thread_count():
+    """torch's intra-op thread count is per thread: the loop adopts the count of whoever submitted last, so a trainer
+    that changes it (colocated training) is followed, whether or not the engine shares the trainer's module."""
+    import torch
+
+    model = tiny_model("qwen3")
+    seen = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        with continuous_batching_context_manager(model, GREEDY, CB) as manager:
+            for threads in (2, 1, 2):
+                torch.set_num_threads(threads)
+                seen.clear()
+                rid = manager.add_request(random_prompts([5], seed=threads)[0], max_new_tokens=3)
+                assert manager.get_result(rid, timeout=60) is not None
+                assert set(seen) == {threads}
+    finally:
+        torch.set_num_threads(before)

@@ -357,7 +357,8 @@ def test_trimmed_padding_scores_like_trls_forward(tmp_path, monkeypatch, kind):
 
 
 def test_engine_thread_follows_the_trainers_thread_count(tmp_path):
-    """The engine's loop thread keeps the OpenMP team size it started with unless told; the adapter tells it."""
+    """The engine's loop thread keeps the OpenMP team size it started with unless told; the manager adopts the
+    submitting (trainer's) thread count at every step."""
     model, tok = _policy()
     trainer = _grpo(tmp_path, model, tok)
     seen = []

@@ -115,12 +115,6 @@ class RolloutTRLGeneration(VLLMGeneration):
         self._synced_version: int | None = None  # engine weight version right after it
         self._pending_old: PendingOldLogps | None = None
         self._last_decision: tuple[bool, str] | None = None
-        self._threads = torch.get_num_threads()
-        if self.generator is not None and not share_weights:
-            # The engine's loop thread sizes its OpenMP team once, at its first parallel region; a later
-            # torch.set_num_threads() in the trainer's thread would not reach it. This hook, run on the loop thread
-            # before each forward of the private copy, keeps both at the trainer's count.
-            _first_module(self.generator.model).register_forward_pre_hook(self._pin_threads)
 
     @staticmethod
     def _sampling_params(trainer) -> SamplingParams:
@@ -156,7 +150,6 @@ class RolloutTRLGeneration(VLLMGeneration):
         # TRL repeats each prompt for its group; generate each run of identical prompts as one n-sample group.
         runs = [(list(key), len(list(group))) for key, group in groupby(map(tuple, prompts))]
         self._pending_old = None
-        self._threads = torch.get_num_threads()
         with profiler if profiler is not None else contextlib.nullcontext():
             batch = self._generate_runs(runs)
         self.last_batch = batch
@@ -196,10 +189,6 @@ class RolloutTRLGeneration(VLLMGeneration):
         for key, value in rollout_metrics(batch, sync_seconds=self.last_sync_seconds).items():
             self.trainer._metrics[mode][key].append(value)
 
-    def _pin_threads(self, module, args) -> None:
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
-
     # ------------------------------------------------------------ old logprobs
     def _inexact_reason(self, trainer) -> str | None:
         """Why the engine's policy logprobs cannot stand in for TRL's recompute in this setup (None: they can)."""
@@ -230,14 +219,6 @@ class RolloutTRLGeneration(VLLMGeneration):
         """The batch waiting for TRL's old-logprob pass (once: the next call gets None)."""
         pending, self._pending_old = self._pending_old, None
         return pending
-
-
-def _first_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The input embedding, which every forward of the engine runs first (the model itself if it has none)."""
-    try:
-        return model.get_input_embeddings() or model
-    except (AttributeError, NotImplementedError):
-        return model
 
 
 class _RolloutMixin:
