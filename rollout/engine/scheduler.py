@@ -298,8 +298,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self._close(req)  # only a queued leader can still be open to identical prompts
         self.release(req)
-        self._close(req)
         req.finish(status, reason, f"request {req.request_id!r}: {error}" if error else None, kind)
         self.requests.pop(req.request_id, None)
         group = self._group_of.pop(req, None)
