@@ -7,10 +7,15 @@ weights and the same requests.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import resource
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -172,6 +177,41 @@ def current_rss_mib() -> float:
 
 
 # -------------------------------------------------------------------------------------------------------- formatting
+# ------------------------------------------------------------------------------------------- benchmark children
+def log(msg: str) -> None:
+    """A timestamped progress line on stderr (stdout holds the tables)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_env(pairs: list[str] | None) -> dict[str, str]:
+    """`--env KEY=VALUE` options as a dict."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env wants KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def run_json_child(argv_for: Callable[[str], list[str]], threads: int, env_pairs: list[str] | None, timeout: float,
+                   **env: str) -> tuple[dict | None, str, float]:
+    """Run one benchmark child (`argv_for(result_file)`) with `threads` intra-op threads, offline, and read the JSON
+    result it writes. Returns (result or None, why it failed, process seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                         TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **env)
+        child_env.update(parse_env(env_pairs))
+        t = time.perf_counter()
+        proc = subprocess.run(argv_for(result_file), env=child_env, stdout=sys.stderr, stderr=sys.stderr,
+                              timeout=timeout)
+        seconds = time.perf_counter() - t
+        if proc.returncode != 0 or not os.path.exists(result_file):
+            return None, f"child exited with {proc.returncode}", seconds
+        return json.loads(Path(result_file).read_text()), "", seconds
+
+
 def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
     """Plain fixed-width table; `align` is one char per column ('l' or 'r'), default: first left, rest right."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]

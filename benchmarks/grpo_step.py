@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +60,8 @@ from benchmarks.common import (
     environment,
     format_table,
     git_state,
+    log,
+    run_json_child,
 )
 
 BACKENDS = {
@@ -75,10 +76,6 @@ DEFAULT_BACKENDS = "rollout,generate,trl_cb"
 REGIMES = ("uniform", "longtail")
 TARGET_RATIO = 0.7
 VOCAB = MODEL_CONFIG["vocab_size"]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # ============================================================================================== the task (children)
@@ -344,24 +341,12 @@ def child_argv(args, backend: str, regime: str, result_file: str) -> list[str]:
 
 
 def run_child(args, backend: str, regime: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "result.json")
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
-        for pair in args.env or []:
-            key, sep, value = pair.partition("=")
-            if not sep or not key:
-                raise SystemExit(f"--env wants KEY=VALUE, got {pair!r}")
-            env[key] = value
-        t = time.perf_counter()
-        proc = subprocess.run(child_argv(args, backend, regime, result_file), env=env, stdout=sys.stderr,
-                              stderr=sys.stderr, timeout=args.child_timeout)
-        if proc.returncode != 0 or not os.path.exists(result_file):
-            return dict(backend=backend, regime=regime, failed=True, error=f"child exited with {proc.returncode}",
-                        process_s=time.perf_counter() - t)
-        result = json.loads(Path(result_file).read_text())
-        result["process_s"] = time.perf_counter() - t
-        return result
+    result, error, seconds = run_json_child(lambda result_file: child_argv(args, backend, regime, result_file),
+                                            args.threads, args.env, args.child_timeout, WANDB_MODE="disabled")
+    if result is None:
+        return dict(backend=backend, regime=regime, failed=True, error=error, process_s=seconds)
+    result["process_s"] = seconds
+    return result
 
 
 def _median(steps: list[dict], key: str) -> float | None:

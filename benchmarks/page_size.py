@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import throughput
-from benchmarks.common import environment, format_table
+from benchmarks.common import environment, format_table, log
 
 
 def measure(sizes: list[int], args: argparse.Namespace) -> dict[int, dict]:
@@ -26,7 +26,7 @@ def measure(sizes: list[int], args: argparse.Namespace) -> dict[int, dict]:
     for rep in range(args.repeats):
         order = sizes[rep % len(sizes):] + sizes[:rep % len(sizes)]
         for size in order:
-            throughput.log(f"--- page_size={size} (run {rep + 1}/{args.repeats})")
+            log(f"--- page_size={size} (run {rep + 1}/{args.repeats})")
             args.engine_page_size = size
             runs[size].append(throughput.run_child(args, "engine"))
     return {size: throughput.best_of("engine", runs[size]) for size in sizes}

@@ -20,9 +20,7 @@ import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +37,10 @@ from benchmarks.common import (
     environment,
     format_table,
     git_state,
+    log,
+    parse_env,
     peak_rss_mib,
+    run_json_child,
     useful_tokens,
 )
 
@@ -52,10 +53,6 @@ SYSTEMS = {
 }
 DEFAULT_SYSTEMS = "engine,hf_cb,hf_generate"
 REFERENCE = "engine"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # ================================================================================================= systems (children)
@@ -320,31 +317,13 @@ def child_argv(args, system: str, result_file: str) -> list[str]:
     return argv
 
 
-def parse_env(pairs: list[str] | None) -> dict:
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--env wants KEY=VALUE, got {pair!r}")
-        out[key] = value
-    return out
-
-
 def run_child(args, system: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "result.json")
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-        env.update(parse_env(args.env))
-        t = time.perf_counter()
-        proc = subprocess.run(child_argv(args, system, result_file), env=env, stdout=sys.stderr,
-                              stderr=sys.stderr, timeout=args.child_timeout)
-        if proc.returncode != 0 or not os.path.exists(result_file):
-            return dict(system=system, description=SYSTEMS[system], failed=True,
-                        error=f"child exited with {proc.returncode}", process_s=time.perf_counter() - t)
-        result = json.loads(Path(result_file).read_text())
-        result.update(system=system, description=SYSTEMS[system], process_s=time.perf_counter() - t)
-        return result
+    result, error, seconds = run_json_child(lambda result_file: child_argv(args, system, result_file), args.threads,
+                                            args.env, args.child_timeout)
+    if result is None:
+        return dict(system=system, description=SYSTEMS[system], failed=True, error=error, process_s=seconds)
+    result.update(system=system, description=SYSTEMS[system], process_s=seconds)
+    return result
 
 
 def best_of(system: str, runs: list[dict]) -> dict:
