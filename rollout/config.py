@@ -85,6 +85,11 @@ class ContinuousBatchingConfig:
     # AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere bf16 keeps F.linear, same tokens). True: error if the model's dtype
     # cannot be packed here.
     prepack_weights: bool | None = None
+    # CPU only: intra-op threads of an engine step. None: the stepping thread's own count (torch.set_num_threads of
+    # the thread that steps; the manager's loop adopts its last submitter's). An int: that many. "auto": at most the
+    # stepping thread's count, fewer while other processes keep this process's cores busy (spinning OpenMP workers
+    # on shared cores cost an order of magnitude; see rollout/engine/core_budget.py). `rollout serve` uses "auto".
+    cpu_threads: int | str | None = None
     # Deprecated alias of page_size, kept so transformers-style code keeps working.
     block_size: int | None = field(default=None, repr=False)
 
@@ -110,6 +115,10 @@ class ContinuousBatchingConfig:
             raise ValueError(f"max_requests_per_batch must be >= 1, got {self.max_requests_per_batch!r}.")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}.")
+        if self.cpu_threads is not None and self.cpu_threads != "auto" and (
+                isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be None (the stepping thread's own count), 'auto' (fewer while other "
+                             f"processes keep the cores busy) or an integer >= 1, got {self.cpu_threads!r}.")
         self._reject_unimplemented()
 
     def _reject_unimplemented(self) -> None:

@@ -42,16 +42,18 @@ def generate_batch(
     continuous_batching_config: ContinuousBatchingConfig | None = None,
     sampling_params: SamplingParams | list[SamplingParams] | None = None,
     progress_bar: bool = True,
+    tokenizer=None,
 ) -> dict[str, RequestOutput]:
     """Generate for every prompt with continuous batching; blocks until all are done.
 
     Returns `{request_id: RequestOutput}` in input order (ids `req_0`, `req_1`, ...; `req_i#j` for n > 1 samples).
-    A bad input fails alone: its output has status FAILED and the reason in `error`.
+    A bad input fails alone: its output has status FAILED and the reason in `error`. `tokenizer` is needed for stop
+    strings and structured outputs.
     """
     params = _per_request(sampling_params, len(inputs))
     gen_config = generation_config or getattr(model, "generation_config", None)
     engine = LLMEngine(model, gen_config, continuous_batching_config,
-                       tokens_hint=workload_tokens(inputs, params, gen_config))
+                       tokens_hint=workload_tokens(inputs, params, gen_config), tokenizer=tokenizer)
     order: list[str] = []
     for i, (prompt, p) in enumerate(zip(inputs, params)):
         order.extend(engine.add_request(prompt, request_id=f"req_{i}", sampling_params=p))

@@ -6,12 +6,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig
 
 from rollout.validation import check_sampling
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import LogitsProcessor
+
+    from rollout.engine.logits_processors import RequestProcessors
+    from rollout.engine.structured_output import CompiledConstraint, StructuredOutput
+
+    LogitsProcessorLike = Callable[[list[int], torch.Tensor], torch.Tensor] | LogitsProcessor
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -23,6 +34,20 @@ class SamplingParams:
     Greedy decoding is `temperature=0` or `do_sample=False`. `top_k=0`, `top_p=1` and `min_p=0` disable truncation.
     `seed` makes the request's samples independent of the rest of the batch and repeatable across runs.
     `stop_strings` end a sequence once its decoded text contains one (the engine needs a tokenizer for them).
+
+    Shaping the distribution (see rollout/engine/logits_processors.py): `logit_bias` ({token id: -100..100}, added
+    to the logits as OpenAI does), `allowed_token_ids` (only these may be sampled), `bad_words_ids` (token sequences
+    that may not be completed), `min_new_tokens` (EOS and stop ids are masked until then) and `logits_processors`
+    (callables `(generated_ids, logits_row) -> logits_row` or transformers `LogitsProcessor` objects).
+    Structured outputs (at most one; the engine needs a tokenizer and xgrammar): `json_schema` (a dict or JSON text),
+    `regex`, `grammar` (EBNF) or `choice` (the output is exactly one of these strings).
+
+    Logprobs beyond the RL contract (see rollout/engine/prompt_logprobs.py and top_logprobs.py): `logprobs=k` adds,
+    per generated token, the model's own log_softmax(logits) of it (`raw_logprobs`) and the k most likely tokens
+    under the sampled, the policy and the raw distribution. `prompt_logprobs=k` (0: only each prompt token's own)
+    fills `prompt_logprobs` in the same prefill: log_softmax(logits / prompt_logprobs_temperature) (default 1) of
+    prompt token i given tokens [0, i), from `prompt_logprobs_start` (default 1; earlier positions, and always
+    position 0, are None). `max_new_tokens=0` prefills and stops without sampling.
     """
 
     temperature: float | None = None
@@ -39,6 +64,18 @@ class SamplingParams:
     do_sample: bool | None = None
     eos_token_id: int | list[int] | None = None
     n: int = 1
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words_ids: Sequence[Sequence[int]] | None = None
+    logits_processors: Sequence[LogitsProcessorLike] | None = None
+    json_schema: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: Sequence[str] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int | None = None
+    prompt_logprobs_temperature: float | None = None
 
     def with_overrides(self, **overrides: Any) -> SamplingParams:
         """A copy with the given fields replaced; unknown names are a clear error."""
@@ -65,10 +102,28 @@ class ResolvedSampling:
     stop_token_ids: frozenset[int]
     eos_token_ids: frozenset[int]
     stop_strings: tuple[str, ...] = ()
+    processors: RequestProcessors | None = None  # logit bias, token masks and the request's own processors
+    structured: StructuredOutput | None = None  # the structured-output spec, as asked
+    constraint: CompiledConstraint | None = None  # that spec compiled for the engine's tokenizer (by the engine)
+    logprobs: int | None = None  # top alternatives per generated token; None: none (and no raw logprobs)
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt logprobs
+    prompt_logprobs_start: int = 1  # first prompt position whose logprob is wanted
+    prompt_logprobs_temperature: float = 1.0
 
     @property
     def truncates(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @cached_property
+    def shapes_logits(self) -> bool:
+        """Whether anything besides temperature, truncation and the min-new-tokens stop mask touches this request's
+        logits at every step: the sampler skips the processor pass for batches where no row does."""
+        return self.repetition_penalty != 1.0 or self.processors is not None or self.structured is not None
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that ends the sequence: EOS and stop_token_ids (masked until min_new_tokens are out)."""
+        return self.eos_token_ids | self.stop_token_ids
 
 
 def _pick(value: Any, fallback: Any, default: Any) -> Any:
@@ -91,6 +146,10 @@ def resolve_sampling(
     model_eos: int | list[int] | None = None,
 ) -> ResolvedSampling:
     """Merge request params over the generation config and validate. Raises ValueError naming the bad field."""
+    # Imported here: the engine package imports this module, so a module-level import would be circular.
+    from rollout.engine.logits_processors import request_processors
+    from rollout.engine.structured_output import structured_output
+
     p = params or SamplingParams()
     g = generation_config or GenerationConfig()
     temperature = float(_pick(p.temperature, getattr(g, "temperature", None), 1.0))
@@ -115,6 +174,12 @@ def resolve_sampling(
         eos_token_ids=frozenset()
         if p.ignore_eos
         else _as_id_set(_pick(p.eos_token_id, getattr(g, "eos_token_id", None), model_eos)),
+        processors=request_processors(p),
+        structured=structured_output(p),
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        prompt_logprobs_start=1 if p.prompt_logprobs_start is None else p.prompt_logprobs_start,
+        prompt_logprobs_temperature=1.0 if p.prompt_logprobs_temperature is None else p.prompt_logprobs_temperature,
     )
     check_sampling(resolved, p)
     return resolved

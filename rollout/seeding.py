@@ -18,6 +18,7 @@ class SeedStream(IntEnum):
 
     SAMPLE = 0x6E  # sample `index` of an n-sample group
     PROMPT = 0x9E  # prompt `index` of a request (or generate call) with several prompts
+    TURN = 0x7C  # turn `index` (>= 1) of a multi-turn episode (turn 0 keeps the episode's seed)
     NOISE = 0x5EED  # the uniform drawn for the token at absolute position `index`
 
 

@@ -53,7 +53,7 @@ def test_server_bf16_completion_and_health(cpu):
     model, tok = _bf16_model(), tiny_tokenizer()
     prompt = [5, 6, 7, 8]
     ref, safe = greedy_reference(model, prompt, NEW)
-    with TestClient(create_app(model, tok, "tiny-bf16", CB)) as client:
+    with TestClient(create_app(model, tok, "tiny-bf16", CB), base_url="http://localhost") as client:
         reply = client.post("/v1/completions", json={"model": "tiny-bf16", "prompt": prompt, "max_tokens": NEW,
                                                      "temperature": 0, "ignore_eos": True,
                                                      "return_token_ids": True})

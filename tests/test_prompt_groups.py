@@ -1,6 +1,8 @@
 """Identical prompts submitted as separate requests (TRL's repeated prompts, per-sample budgets) are prefilled once:
 later ones join the first while it is still queued, keep their own settings, and give what separate runs give."""
 
+import time
+
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
@@ -63,3 +65,20 @@ def test_cancelling_the_first_hands_the_group_to_the_next(qwen3):
     assert sorted(outs) == sorted([second, third, fourth])
     assert len({tuple(o.generated_tokens) for o in outs.values()}) == 1
     assert engine.stats().prefill_tokens == len(prompt), "the fourth joined the group the second took over"
+
+
+def test_cancelling_a_huge_group_costs_linear_time(qwen3):
+    """Cancellation runs under the engine lock: a group of n sequences must leave in O(n), not O(n^2) (which at this
+    size is minutes), and a second request sharing its prefill keeps running."""
+    prompt = random_prompts([9], seed=10)[0]
+    engine = _engine(qwen3)
+    (huge,) = {rid.split("#")[0] for rid in engine.add_request(prompt, "huge", SamplingParams(max_new_tokens=3,
+                                                                                              n=10_000))}
+    (joined,) = engine.add_request(prompt, "joined", SamplingParams(max_new_tokens=3))
+    start = time.perf_counter()
+    outs = engine.cancel(huge)
+    assert time.perf_counter() - start < 2.0
+    assert len(outs) == 10_000 and all(o.finish_reason == "cancelled" for o in outs)
+    engine.check_invariants()
+    assert list(run_engine(engine)) == [joined]
+    assert engine.pool.num_used == 0

@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import DEFAULT_MAX_REQUESTS, ContinuousBatchingConfig
+from rollout.engine import prompt_logprobs
 from rollout.engine.block_pool import BlockPool
+from rollout.engine.core_budget import CoreBudget
 from rollout.engine.kv_cache import KVShape, PagedKVCache
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.request import ErrorKind, Request, RequestOutput
@@ -20,6 +23,7 @@ from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence_group import SequenceGroup, sequence_ids
 from rollout.engine.stats import EngineStats
 from rollout.engine.stopping import StopChecker
+from rollout.engine.structured_output import GrammarCompiler
 from rollout.sampling_params import ResolvedSampling, SamplingParams, resolve_sampling
 from rollout.validation import InvalidRequestError, check_prompt
 
@@ -58,7 +62,7 @@ class LLMEngine:
                  config: ContinuousBatchingConfig | None = None, tokens_hint: int | None = None,
                  tokenizer=None) -> None:
         self.model = model
-        self.tokenizer = tokenizer  # only needed for stop strings
+        self.tokenizer = tokenizer  # only needed for stop strings and structured outputs
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
         text = model.config.get_text_config()
         self.vocab_size = int(text.vocab_size)
@@ -84,6 +88,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, self.config.prepack_weights, self.config.cpu_attention_kernel)
         self.runner.check_attention()  # UnsupportedModelError now, not a failed forward per request later
         self.sampler = Sampler(self.config.seed)
+        use_budget = self.config.cpu_threads is not None and device.type == "cpu"
+        self.core_budget = CoreBudget(self.config.cpu_threads) if use_budget else None
+        self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
+        self._grammars_lock = threading.Lock()
         self._auto_ids = itertools.count()
         self.counters = dict(steps=0, forward_errors=0, peak_used_blocks=0)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, page, self.cache.nbytes / 2**20)
@@ -113,11 +121,14 @@ class LLMEngine:
         return self.scheduler.requests
 
     def add_request(self, prompt_ids: list[int], request_id: str | None = None,
-                    sampling_params: SamplingParams | None = None, streaming: bool = False) -> list[str]:
+                    sampling_params: SamplingParams | None = None, streaming: bool = False, keep_kv: bool = False,
+                    continues: str | None = None) -> list[str]:
         """Queue a prompt (n sequences if `sampling_params.n > 1`, ids `{id}#{i}`); returns the sequence ids.
 
         An invalid prompt or invalid settings do not raise: the request fails alone, with the reason in its output.
-        A duplicate id is the caller's bug and raises ValueError.
+        A duplicate id is the caller's bug and raises ValueError. `keep_kv`: when a sequence finishes, keep its KV
+        for a continuation until `release_kept` (or until the cache needs the blocks). `continues`: a kept sequence
+        whose tokens this prompt extends; only the tokens after its KV are prefilled (see rollout.engine.kept_kv).
         """
         request_id = request_id if request_id is not None else self.new_request_id()
         n = sampling_params.n if sampling_params is not None else 1
@@ -126,14 +137,21 @@ class LLMEngine:
         if taken is not None:
             raise ValueError(f"request id {taken!r} is already in use; pass a unique request_id or None")
         try:
-            prompt = self.validate_prompt(prompt_ids)
             sampling = self.validate_sampling(sampling_params)
+            prompt = self.validate_prompt(prompt_ids, prefill_only=sampling.max_new_tokens == 0)
         except ValueError as err:
             self.scheduler.reject(RequestOutput.failure(rid, _safe_list(prompt_ids), f"request {rid!r}: {err}",
                                                         ErrorKind.INVALID_REQUEST) for rid in ids)
             return ids
-        self.scheduler.add(SequenceGroup.create(request_id, prompt, sampling, n, streaming))
+        if keep_kv:
+            self.scheduler.keep_kv(ids)
+        self.scheduler.add(SequenceGroup.create(request_id, prompt, sampling, n, streaming), continues=continues)
         return ids
+
+    def release_kept(self, sequence_id: str) -> bool:
+        """Free the KV a finished `keep_kv` sequence still holds; False if it holds none (never kept, continued,
+        released, or evicted when the cache needed room)."""
+        return self.scheduler.release_kept(sequence_id)
 
     def validate_sampling(self, sampling_params: SamplingParams | None) -> ResolvedSampling:
         """Settings merged over the generation config, as `add_request` would use them; ValueError naming the bad
@@ -142,12 +160,31 @@ class LLMEngine:
         if sampling.stop_strings and self.tokenizer is None:
             raise InvalidRequestError("stop_strings need a tokenizer: pass tokenizer= to the engine/manager/generator",
                                       "stop_strings")
+        if sampling.processors is not None:
+            sampling.processors.check_vocab(self.vocab_size)
+        if sampling.structured is not None:
+            sampling = dataclasses.replace(sampling, constraint=self.grammars(sampling.structured.kind).compile(
+                sampling.structured, sampling.stop_ids))
         return sampling
 
-    def validate_prompt(self, prompt_ids) -> list[int]:
-        """The prompt as a list of ints, or ValueError saying what is wrong with it (the rule `add_request` applies).
-        Queues nothing, so callers can check a whole batch before submitting any of it."""
-        return check_prompt(prompt_ids, self.vocab_size, self.max_positions)
+    def grammars(self, param: str = "json_schema") -> GrammarCompiler:
+        """The engine's structured-output compiler (built once, for its tokenizer and the model's vocabulary)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{param} (a structured output) needs a tokenizer: pass tokenizer= to the "
+                                      "engine/manager/generator", param)
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+                except ImportError as err:
+                    raise InvalidRequestError(str(err), param) from err
+            return self._grammars
+
+    def validate_prompt(self, prompt_ids, prefill_only: bool = False) -> list[int]:
+        """The prompt as a list of ints, or ValueError saying what is wrong with it (the rule `add_request` applies;
+        `prefill_only`: for max_new_tokens=0). Queues nothing, so callers can check a whole batch before submitting
+        any of it."""
+        return check_prompt(prompt_ids, self.vocab_size, self.max_positions, prefill_only)
 
     def cancel(self, request_id: str) -> list[RequestOutput]:
         """Cancel a live sequence, or every live sequence of a request id, and free their blocks now ([] if none)."""
@@ -162,6 +199,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> sample -> update. Returns outputs of requests that finished or failed, and (if
         streaming) of those that got a token."""
+        if self.core_budget is None:
+            return self._step()
+        with self.core_budget.applied():  # cpu_threads: this step's intra-op threads
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.requests:
             return self.scheduler.take_outputs()
@@ -169,6 +212,8 @@ class LLMEngine:
         self.counters["peak_used_blocks"] = max(self.counters["peak_used_blocks"], self.pool.num_used)
         try:
             logits = self.runner.run(plan)
+            if plan.prompt_rows:
+                logits = prompt_logprobs.record(plan, logits)
         except Exception as err:  # a forward error fails this step's requests; the engine keeps serving
             logger.exception("model forward failed; failing the %d requests of this step", len(plan))
             self.counters["forward_errors"] += 1
@@ -178,7 +223,8 @@ class LLMEngine:
         self.health = EngineHealth(0, self.health.last_error, self.health.last_error_time, time.time())
         if len(plan.logit_rows) != logits.shape[0] or plan.logit_rows != list(range(len(plan.logit_rows))):
             logits = logits[torch.tensor(plan.logit_rows, dtype=torch.long)]
-        sampled = self.sampler.sample(logits, [SampleRow(m.sampling, m.tokens, m.num_generated) for m in plan.sampled])
+        sampled = self.sampler.sample(logits, [SampleRow(m.sampling, m.tokens, m.num_generated, m.grammar)
+                                               for m in plan.sampled])
         return self.scheduler.update(plan, sampled, self.weight_version)
 
     def fail_all(self, error: str) -> list[RequestOutput]:

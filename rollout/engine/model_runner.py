@@ -158,7 +158,11 @@ class ModelRunner:
             self._add_sdpa_metadata(batch, tables, query_lens, ends, offsets)
 
         sample_rows = torch.tensor(plan.sample_rows, dtype=torch.long)
-        keep = (offsets[sample_rows] + query_lens[sample_rows] - 1).to(dev)
+        keep = offsets[sample_rows] + query_lens[sample_rows] - 1
+        if plan.prompt_rows:  # then the rows prompt logprobs need, in plan.prompt_rows order
+            keep = torch.cat([keep, *(torch.arange(count) + int(offsets[entry]) + first - plan.start_positions[entry]
+                                      for entry, first, count in plan.prompt_rows)])
+        keep = keep.to(dev)
         inputs = {
             "input_ids": torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None],
             "position_ids": positions.to(dev)[None],
@@ -187,8 +191,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
-        """fp32 logits `[len(plan.sample_rows), vocab]` at the last token of every sampling entry."""
+        """fp32 logits `[len(plan.sample_rows), vocab]` at the last token of every sampling entry.
+
+        A plan with `prompt_rows` gets those rows after the sampling rows, all in the model's dtype (the sampler and
+        prompt_logprobs.py convert what they use to fp32 in slices, so a long prefill chunk never holds its whole
+        `[tokens, vocab]` block twice).
+        """
         inputs, keep = self.build_batch(plan)
         with engine_attention(self.model), eval_mode(self.model), self.linears:
             out = self.model(**inputs, logits_to_keep=keep, use_cache=False)
-        return out.logits[0].float()
+        return out.logits[0] if plan.prompt_rows else out.logits[0].float()

@@ -1,22 +1,28 @@
 """Vectorized per-request sampling and the RL logprob contract.
 
-One pass over the `[rows, vocab]` logits applies each row's own repetition penalty, min-new-tokens guard,
+One pass over the `[rows, vocab]` logits applies each row's own logits processors (repetition penalty, logit bias,
+token masks, min-new-tokens, its own processors and structured-output grammar: see logits_processors.py), then
 temperature, top-k, top-p and min-p (transformers' order), then samples by inverse CDF. The uniform of a seeded row
 comes from a generator keyed by (seed, position) alone, so its tokens do not depend on the rest of the batch and
 repeat across runs.
 
-Per token it returns `logprobs` (under the truncated, renormalised distribution actually sampled from),
-`policy_logprobs` (fp32 log_softmax(logits / T) over the full vocabulary: what a trainer recomputes) and
-`kept_logmass` (log of the policy mass truncation kept), so logprobs = policy_logprobs - kept_logmass.
+Per token it returns `logprobs` (under the processed, truncated, renormalised distribution actually sampled from),
+`policy_logprobs` (fp32 log_softmax(logits / T) of the raw logits over the full vocabulary: what a trainer
+recomputes) and `kept_logmass` (log of the policy mass that masks and truncation kept), so logprobs = policy_logprobs
+- kept_logmass whenever the processors only mask. A row whose processors fail is reported in `errors` instead.
+Rows that ask for `logprobs=k` also get top-k alternatives and the raw logprob (see top_logprobs.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from rollout.engine.logits_processors import apply_processors
+from rollout.engine.structured_output import GrammarMasker, GrammarState
+from rollout.engine.top_logprobs import TokenAlternatives, token_alternatives
 from rollout.sampling_params import ResolvedSampling
 from rollout.seeding import SeedStream, derive_seed
 
@@ -25,11 +31,24 @@ _NEG_INF = float("-inf")
 
 @dataclass
 class SampleRow:
-    """What the sampler needs to know about one row: settings, history (for penalties) and its RNG key."""
+    """What the sampler needs to know about one row: settings, history (prompt + generated, for penalties and
+    processors), its RNG key, and its grammar matcher if it has a structured output."""
 
     sampling: ResolvedSampling
     tokens: list[int]
     num_generated: int
+    grammar: GrammarState | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.num_generated:]
+
+    @property
+    def processed(self) -> bool:
+        """Whether this step runs any logits processor on the row (the min-new-tokens mask only while it lasts)."""
+        s = self.sampling
+        return (s.shapes_logits or self.grammar is not None
+                or (self.num_generated < s.min_new_tokens and bool(s.stop_ids)))
 
 
 @dataclass
@@ -38,6 +57,8 @@ class SampleResult:
     logprobs: list[float]
     policy_logprobs: list[float]
     kept_logmass: list[float]
+    errors: dict[int, str] = field(default_factory=dict)  # rows whose request fails (their token is meaningless)
+    alternatives: dict[int, TokenAlternatives] = field(default_factory=dict)  # rows that asked for `logprobs`
 
 
 def keyed_uniforms(keys: list[int]) -> np.ndarray:
@@ -53,11 +74,12 @@ def keyed_uniforms(keys: list[int]) -> np.ndarray:
 
 
 class Sampler:
-    """Stateless except for the generator that feeds unseeded rows."""
+    """Stateless except for the generator that feeds unseeded rows and the grammar masker's reused bitmask."""
 
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else torch.seed())
+        self.grammar = GrammarMasker()
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
@@ -71,49 +93,44 @@ class Sampler:
 
         unit = bool((temps == 1.0).all())
         policy = torch.log_softmax(logits if unit else logits / temps, dim=-1)
-        processed = self._apply_processors(logits, rows)
-        plain = processed is logits  # no penalty or guard: the policy is what gets truncated and sampled
-        processed = processed if unit else processed / temps
-        keep = self._truncation_mask(processed, params)
+        processed = apply_processors(logits, rows, self.grammar)
+        scaled = processed.logits if unit else processed.logits / temps
+        keep = self._truncation_mask(scaled, params)
         if keep is not None:
-            sample_lp = torch.log_softmax(processed.masked_fill(~keep, _NEG_INF), dim=-1)
+            sample_lp = torch.log_softmax(scaled.masked_fill(~keep, _NEG_INF), dim=-1)
+        elif len(processed.touched) == num_rows:
+            sample_lp = torch.log_softmax(scaled, dim=-1)
+        elif processed.touched:  # only the processed rows differ from the policy
+            idx = torch.tensor(processed.touched, device=logits.device)
+            sample_lp = policy.index_copy(0, idx, torch.log_softmax(scaled[idx], dim=-1))
         else:
-            sample_lp = policy if plain else torch.log_softmax(processed, dim=-1)
+            sample_lp = policy  # nothing touched: the policy is what gets sampled
 
         tokens = self._draw(sample_lp, rows, greedy)
         idx = tokens[:, None]
         logprobs = sample_lp.gather(1, idx).squeeze(1)
         policy_lp = policy.gather(1, idx).squeeze(1)
-        if keep is not None:
-            truncating = torch.tensor([p.truncates and not p.greedy for p in params], dtype=torch.bool)
-            kept = torch.logsumexp(policy.masked_fill(~keep, _NEG_INF), dim=-1)
-            kept = torch.where(truncating, kept, torch.zeros_like(kept))
-        else:
-            kept = torch.zeros(num_rows)
+        kept = self._kept_logmass(policy, sample_lp, params, processed.narrowed, keep is not None)
         # Greedy samples a point mass: logprob 0, and the kept mass is the chosen token's policy probability.
         logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
         kept = torch.where(greedy, policy_lp, kept)
-        return SampleResult(tokens.tolist(), logprobs.tolist(), policy_lp.tolist(), kept.tolist())
+        alternatives = token_alternatives(logits, policy, sample_lp, tokens, rows, temps)
+        return SampleResult(tokens.tolist(), logprobs.tolist(), policy_lp.tolist(), kept.tolist(), processed.errors,
+                            alternatives)
 
-    # -------------------------------------------------------------- processors
     @staticmethod
-    def _apply_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Repetition penalty and the min-new-tokens EOS guard, only on the rows that ask for them."""
-        out = logits
-        for i, row in enumerate(rows):
-            p = row.sampling
-            banned = row.num_generated < p.min_new_tokens and (p.eos_token_ids or p.stop_token_ids)
-            if p.repetition_penalty == 1.0 and not banned:
-                continue
-            if out is logits:
-                out = logits.clone()
-            if p.repetition_penalty != 1.0:
-                ids = torch.tensor(sorted(set(row.tokens)), dtype=torch.long)
-                scores = out[i, ids]
-                out[i, ids] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
-            if banned:
-                out[i, sorted(p.eos_token_ids | p.stop_token_ids)] = _NEG_INF
-        return out
+    def _kept_logmass(policy: torch.Tensor, sample_lp: torch.Tensor, params: list[ResolvedSampling],
+                      narrowed: list[int], truncation: bool) -> torch.Tensor:
+        """Log of the policy mass on the tokens a row could sample; exactly 0 for rows nothing narrowed."""
+        rows = {i for i, p in enumerate(params) if p.truncates and not p.greedy} if truncation else set()
+        rows.update(narrowed)
+        kept = torch.zeros(len(params), device=policy.device)
+        if len(rows) == len(params):
+            kept = torch.logsumexp(policy.masked_fill(torch.isinf(sample_lp), _NEG_INF), dim=-1)
+        elif rows:
+            idx = torch.tensor(sorted(rows), device=policy.device)
+            kept[idx] = torch.logsumexp(policy[idx].masked_fill(torch.isinf(sample_lp[idx]), _NEG_INF), dim=-1)
+        return kept
 
     @staticmethod
     def _truncation_mask(scaled: torch.Tensor, params: list[ResolvedSampling]) -> torch.Tensor | None:

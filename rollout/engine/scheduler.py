@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from rollout.engine.block_pool import BlockPool, hash_chain
+from rollout.engine.kept_kv import KeptSequences
 from rollout.engine.request import ErrorKind, Request, RequestOutput, RequestStatus
 from rollout.engine.sampler import SampleResult
 from rollout.engine.sequence_group import SequenceGroup
@@ -28,6 +29,15 @@ logger = logging.getLogger(__name__)
 
 
 CopyBlock = Callable[[int, int, int], None]  # (source block, target block, tokens): copies KV for a fork
+
+
+def _prefill_key(request: Request) -> tuple:
+    """Requests may share one prefill when this matches: the same prompt, both sampling or both prefill-only
+    (max_new_tokens=0), and the same prompt logprobs asked for (the leader's are copied to the others)."""
+    s = request.sampling
+    wanted = None if s.prompt_logprobs is None else (s.prompt_logprobs, max(1, s.prompt_logprobs_start),
+                                                     s.prompt_logprobs_temperature)
+    return tuple(request.prompt_ids), s.max_new_tokens == 0, wanted
 
 
 class Scheduler:
@@ -55,9 +65,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # live sequences by id
         self.groups: dict[str, SequenceGroup] = {}  # live requests by request id
         self._group_of: dict[Request, SequenceGroup] = {}
-        self._forks: dict[Request, list[Request]] = {}  # leader -> sequences that fork off its prefill
+        # leader -> sequences that fork off its prefill (an ordered set), and the way back: a sequence leaves a fork
+        # set in O(1), so cancelling an n-sample request costs O(n), not O(n^2)
+        self._forks: dict[Request, dict[Request, None]] = {}
+        self._leader_of: dict[Request, Request] = {}
         self._open: dict[tuple[int, ...], Request] = {}  # prompt -> queued leader identical prompts may join
         self._outbox: list[RequestOutput] = []  # outputs produced between two updates (failures, cancels)
+        self.kept = KeptSequences()  # finished sequences holding their KV for a continuation (see kept_kv)
         self.weight_version = 0
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prefill entries cut short by the budget or memory
@@ -71,8 +85,12 @@ class Scheduler:
             return request_id
         return next((rid for rid in sequence_ids if rid in self.requests or rid in self.groups), None)
 
-    def add(self, group: SequenceGroup) -> None:
-        """Queue a request's sequences: one prefill for the group (or none, if an identical prompt is queued)."""
+    def add(self, group: SequenceGroup, continues: str | None = None) -> None:
+        """Queue a request's sequences: one prefill for the group (or none, if an identical prompt is queued).
+
+        `continues`: the id of a kept sequence (see `kept_kv`) whose tokens the prompt extends; the group's prefill
+        then starts from its KV. A continuation never shares its prefill with identical prompts.
+        """
         taken = self.id_in_use(group.request_id, group.ids)
         if taken is not None:
             raise ValueError(f"request id {taken!r} is already in use; pass a unique request_id")
@@ -81,15 +99,23 @@ class Scheduler:
             self.requests[member.request_id] = member
             self._group_of[member] = group
         self.counters["prompt_tokens"] += len(group.leader.prompt_ids)
-        key = tuple(group.leader.prompt_ids)
-        leader = self._open.get(key)
+        continued = continues is not None and self._adopt_kept(group.leader, continues)
+        key = None if continued else _prefill_key(group.leader)
+        leader = self._open.get(key) if key is not None else None
         if leader is not None:
-            self._forks[leader].extend(group.members)
+            self._add_forks(leader, group.members)
             return
-        self._forks[group.leader] = group.members[1:]
+        self._forks[group.leader] = {}
+        self._add_forks(group.leader, group.members[1:])
         self.waiting.append(group.leader)
-        if self.share_prefills:
+        if self.share_prefills and key is not None:
             self._open[key] = group.leader
+
+    def _add_forks(self, leader: Request, followers: Iterable[Request]) -> None:
+        forks = self._forks[leader]
+        for follower in followers:
+            forks[follower] = None
+            self._leader_of[follower] = leader
 
     def reject(self, outputs: Iterable[RequestOutput]) -> None:
         """Outputs of requests that failed before they were queued, returned with the next update."""
@@ -148,6 +174,7 @@ class Scheduler:
         """Make room in the block table for `num` more tokens, preempting or shrinking the chunk; 0 if impossible."""
         while True:
             needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+            self._release_kept_for(needed)
             if needed <= self.pool.num_free:
                 if needed > 0:
                     request.block_table.extend(self.pool.allocate(needed))
@@ -181,8 +208,10 @@ class Scheduler:
         reserve = self.safety_margin * self.pool.num_blocks
         while self.waiting and budget[0] > 0 and len(plan) < self.max_requests_per_batch:
             request = self.waiting[0]
-            if self.running and self.pool.num_free < reserve:
-                return
+            if self.running:
+                self._release_kept_for(reserve)
+                if self.pool.num_free < reserve:
+                    return
             if self.blocks_for(len(request.tokens) + 1) > self.pool.num_blocks:
                 error = (f"needs {self.blocks_for(len(request.tokens) + 1)} KV blocks of {self.page_size} tokens but "
                          f"the cache has only {self.pool.num_blocks}; raise num_blocks (or page_size) in "
@@ -192,6 +221,7 @@ class Scheduler:
             self._attach_prefix(request)
             num = min(request.num_pending, budget[0])
             needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+            self._release_kept_for(needed)
             if needed > self.pool.num_free:
                 room = (len(request.block_table) + self.pool.num_free) * self.page_size - request.num_computed
                 if room <= 0 or (self.running and room < request.num_pending and room < budget[0]):
@@ -210,10 +240,13 @@ class Scheduler:
 
     def _attach_prefix(self, request: Request) -> None:
         """Reuse cached blocks of the request's full-block prefix under the current weights."""
+        if request.block_table:
+            return  # it continues a kept sequence whose KV it holds already
         request.kv_version = self.weight_version
         request.block_hashes = hash_chain(request.tokens, self.page_size, self.weight_version)
         request.num_hashed_blocks = 0
-        for key in request.block_hashes:
+        # Blocks whose logits a prompt logprob still needs are recomputed, not reused (see prompt_logprobs.py).
+        for key in request.block_hashes[:request.max_cached_tokens // self.page_size]:
             block = self.pool.lookup(key)
             if block is None:
                 break
@@ -240,23 +273,48 @@ class Scheduler:
         for req, num in zip(plan.requests, plan.query_lens):
             req.num_computed += num
             self.counters["decode_tokens" if num == 1 and req.num_generated else "prefill_tokens"] += num
+        failed: dict[Request, str] = {}
         for i, req in enumerate(plan.sampled):
+            error = self._accept(req, i, sampled)
+            if error is not None:
+                failed[req] = error
+                continue
             req.tokens.append(sampled.tokens[i])
             req.logprobs.append(sampled.logprobs[i])
             req.policy_logprobs.append(sampled.policy_logprobs[i])
             req.kept_logmass.append(sampled.kept_logmass[i])
             req.weight_versions.append(weight_version)
+            if i in sampled.alternatives:
+                sampled.alternatives[i].append_to(req)
             req.status = RequestStatus.DECODING
-        self.counters["generated_tokens"] += len(plan.sampled)
+        self.counters["generated_tokens"] += len(plan.sampled) - len(failed)
+        for entry in plan.prefilled:  # max_new_tokens=0: done once the prompt is in, with its group
+            leader = plan.requests[entry]
+            for member in [leader, *self._pop_forks(leader)]:
+                member.take_prompt_logprobs(leader)
+                self._finish(member, RequestStatus.FINISHED, "length", queued=member is leader)
         for entry in plan.sample_rows:
             self._fork_all(plan.requests[entry])
+        for req, error in failed.items():  # after forking: a failed leader's prefill still serves its group
+            self._finish(req, RequestStatus.FAILED, "error", error, ErrorKind.INVALID_REQUEST)
         for req in plan.sampled:
+            if req in failed:
+                continue
             reason = self.stop(req)
             if reason is not None:
                 self._finish(req, RequestStatus.FINISHED, reason)
             elif req.streaming:
                 self._outbox.append(req.to_output())
         return self.take_outputs()
+
+    @staticmethod
+    def _accept(req: Request, row: int, sampled: SampleResult) -> str | None:
+        """Why the token sampled for `req` cannot be appended (its processors failed, or its grammar refuses the
+        token), or None; a structured output's matcher advances past an accepted token here."""
+        error = sampled.errors.get(row)
+        if error is None and req.grammar is not None and not req.grammar.accept(sampled.tokens[row]):
+            error = f"the structured-output grammar does not allow the sampled token {sampled.tokens[row]}"
+        return error
 
     def fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The forward of `plan` raised: unpublish its blocks and fail its requests (sequences waiting to fork off a
@@ -274,60 +332,75 @@ class Scheduler:
         else:
             group = self.groups.get(request_id)
             targets = group.live() if group is not None else []
-        for req in targets:
-            leader = next((lead for lead, forks in self._forks.items() if req in forks), None)
+        # Sequences waiting to fork leave first, so a cancelled leader has no siblings left to hand its place to.
+        for req in sorted(targets, key=lambda r: r not in self._leader_of):
+            leader = self._leader_of.pop(req, None)
             if leader is not None:
-                self._forks[leader].remove(req)
+                del self._forks[leader][req]
             else:
                 self._hand_over(req)
-            self._finish(req, RequestStatus.CANCELLED, "cancelled")
+            self._finish(req, RequestStatus.CANCELLED, "cancelled", queued=leader is None)
         return self.take_outputs()
 
     def fail_all(self, error: str, kind: ErrorKind = ErrorKind.SHUTDOWN) -> list[RequestOutput]:
         """Fail every live request (hard stop): blocks are released, outputs carry `error`."""
         self._forks.clear()
+        self._leader_of.clear()
         self._open.clear()
+        self.release_all_kept()
         for req in list(self.requests.values()):
             self._finish(req, RequestStatus.FAILED, "error", error, kind)
         return self.take_outputs()
 
     def _finish(self, req: Request, status: RequestStatus, reason: str, error: str | None = None,
-                kind: ErrorKind | None = None) -> None:
-        """Leave the queues, free the blocks, forget the request; its output goes out with the next update."""
-        if req in self.running:
+                kind: ErrorKind | None = None, queued: bool = True) -> None:
+        """Leave the queues, free the blocks, forget the request; its output goes out with the next update.
+        `queued=False`: the caller knows it waited in a fork set, in neither queue (skips two list scans)."""
+        if queued and req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif queued and req in self.waiting:
             self.waiting.remove(req)
             self._close(req)  # only a queued leader can still be open to identical prompts
-        self.release(req)
+        if self.kept.keeps(req) and status == RequestStatus.FINISHED:
+            self._park(req)
+        else:
+            self.release(req)
         req.finish(status, reason, f"request {req.request_id!r}: {error}" if error else None, kind)
         self.requests.pop(req.request_id, None)
         group = self._group_of.pop(req, None)
-        if group is not None and not group.live():
+        if group is not None and group.member_finished():
             del self.groups[group.request_id]
         self.counters["prefix_hit_tokens"] += req.num_prefix_hit_tokens
         self._outbox.append(req.to_output())
 
     def _fail_with_forks(self, leader: Request, error: str, kind: ErrorKind) -> None:
         """A prefill that can never run fails the sequences waiting to fork off it too (they need the same room)."""
-        for member in [leader, *self._forks.pop(leader, ())]:
+        for member in [leader, *self._pop_forks(leader)]:
             self._finish(member, RequestStatus.FAILED, "error", error, kind)
 
     def _hand_over(self, leader: Request) -> None:
         """A leader leaves before its forks could fork: the first of them takes its place at the queue's front."""
-        forks = self._forks.pop(leader, [])
+        forks = self._pop_forks(leader)
         if not forks:
             return
-        heir = forks[0]
-        self._forks[heir] = forks[1:]
+        heir, *rest = forks
+        self._forks[heir] = {}
+        self._add_forks(heir, rest)
         self.waiting.appendleft(heir)
-        key = tuple(leader.prompt_ids)
+        key = _prefill_key(leader)
         if self._open.get(key) is leader:  # identical prompts arriving later still join the group
             self._open[key] = heir
 
+    def _pop_forks(self, leader: Request) -> list[Request]:
+        """Take `leader`'s fork set away (its sequences then belong to no leader)."""
+        forks = list(self._forks.pop(leader, ()))
+        for follower in forks:
+            del self._leader_of[follower]
+        return forks
+
     def _close(self, leader: Request) -> None:
         """Identical prompts may no longer join `leader`'s prefill."""
-        key = tuple(leader.prompt_ids)
+        key = _prefill_key(leader)
         if self._open.get(key) is leader:
             del self._open[key]
 
@@ -366,7 +439,8 @@ class Scheduler:
 
     def _fork_all(self, leader: Request) -> None:
         """The leader's prompt is computed and its first token sampled: its forks join the running list."""
-        for follower in self._forks.pop(leader, ()):
+        for follower in self._pop_forks(leader):
+            follower.take_prompt_logprobs(leader)
             if self.stop(follower) is not None:
                 continue  # finished on its first token (the stop check follows); nothing to allocate
             if not self._fork(leader, follower):
@@ -401,7 +475,54 @@ class Scheduler:
             self.release(request)
             request.status = RequestStatus.PENDING
             self.waiting.appendleft(request)
+        self.release_all_kept()  # their continuations recompute too
         return preempted
+
+    # ------------------------------------------------------------------ kept KV
+    def keep_kv(self, sequence_ids: list[str]) -> None:
+        """Keep these live sequences' blocks when they finish, for a continuation (see `kept_kv`)."""
+        self.kept.want(sequence_ids)
+
+    def release_kept(self, sequence_id: str) -> bool:
+        """Drop a kept sequence's blocks (its full blocks stay in the prefix cache); False if it is not kept."""
+        request = self.kept.take(sequence_id)
+        if request is not None:
+            self.release(request)
+        return request is not None
+
+    def release_all_kept(self) -> int:
+        kept = self.kept.take_all()
+        for request in kept:
+            self.release(request)
+        return len(kept)
+
+    def _park(self, request: Request) -> None:
+        previous = self.kept.park(request)
+        if previous is not None:
+            self.release(previous)
+
+    def _adopt_kept(self, request: Request, sequence_id: str) -> bool:
+        """Give a queued request the KV of the kept sequence its tokens extend; False (nothing adopted, the kept
+        sequence released) if that sequence is gone or the request's tokens do not start with all of its tokens."""
+        kept = self.kept.take(sequence_id)
+        if kept is None:
+            return False
+        if (request.tokens[:len(kept.tokens)] != kept.tokens or len(request.tokens) <= kept.num_computed
+                or kept.num_computed > request.max_cached_tokens):  # its KV would skip logits prompt logprobs need
+            self.release(kept)
+            return False
+        request.block_table, kept.block_table = kept.block_table, []
+        request.num_computed = kept.num_computed
+        request.kv_version = kept.kv_version
+        request.block_hashes = kept.block_hashes
+        request.num_hashed_blocks = kept.num_hashed_blocks
+        request.num_prefix_hit_tokens = kept.num_computed
+        return True
+
+    def _release_kept_for(self, blocks: float) -> None:
+        """Release kept sequences, oldest first, until `blocks` blocks are free or none is kept."""
+        while self.pool.num_free < blocks and len(self.kept):
+            self.release(self.kept.oldest())
 
     def check_invariants(self) -> None:
         """Every live sequence is in exactly one place (running, waiting, or forking off a leader), and the pool's ref
@@ -410,4 +531,6 @@ class Scheduler:
         assert len(places) == len(set(places)), "a sequence is queued twice"
         assert set(places) == set(self.requests.values()), "live sequences and queues disagree"
         assert all(leader in self.requests.values() for leader in self._forks), "forks of a finished leader"
-        self.pool.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting])
+        assert self._leader_of == {f: lead for lead, forks in self._forks.items() for f in forks}, "fork index stale"
+        self.pool.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting]
+                                   + self.kept.block_tables())

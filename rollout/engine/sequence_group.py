@@ -8,7 +8,7 @@ this object only says which sequences belong to the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rollout.engine.request import Request
 from rollout.sampling_params import ResolvedSampling
@@ -28,6 +28,10 @@ class SequenceGroup:
 
     request_id: str
     members: list[Request]
+    num_live: int = field(init=False)  # members not finished yet, kept by the scheduler (O(1) per finish)
+
+    def __post_init__(self) -> None:
+        self.num_live = len(self.members)
 
     @classmethod
     def create(cls, request_id: str, prompt: list[int], sampling: ResolvedSampling, n: int,
@@ -48,6 +52,11 @@ class SequenceGroup:
     @property
     def ids(self) -> list[str]:
         return [m.request_id for m in self.members]
+
+    def member_finished(self) -> bool:
+        """Count one member as finished; True once none is left."""
+        self.num_live -= 1
+        return self.num_live == 0
 
     def live(self) -> list[Request]:
         """Members that have not finished."""

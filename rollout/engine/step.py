@@ -16,6 +16,11 @@ class StepPlan:
     pending tokens are all covered by this step: their last position yields logits and a new token. `sampled[j]` draws
     a token from logits row `logit_rows[j]` (an index into `sample_rows`): a group's sequences that fork off a prefill
     all draw from their leader's row.
+
+    Two kinds of entries ask for something else: `prefilled` lists those whose pending tokens are all covered but that
+    sample nothing (`max_new_tokens=0`: they finish after this step, and need no logits), and each
+    `prompt_rows` item `(entry, first, count)` asks for the logits at positions `[first, first + count)` of that entry
+    (they give the logprobs of the prompt tokens that follow them: see prompt_logprobs.py).
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -27,6 +32,8 @@ class StepPlan:
     sampled: list[Request] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     registered_blocks: list[int] = field(default_factory=list)  # published in the prefix cache by this step
+    prefilled: list[int] = field(default_factory=list)
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -42,5 +49,11 @@ class StepPlan:
         self.query_lens.append(num_tokens)
         self.start_positions.append(start)
         self.block_tables.append(request.block_table)
+        entry = len(self.requests) - 1
         if start + num_tokens == len(request.tokens):
-            self.sample_rows.append(len(self.requests) - 1)
+            (self.prefilled if request.sampling.max_new_tokens == 0 else self.sample_rows).append(entry)
+        if request.needs_prompt_logprobs:
+            first = max(start, len(request.prompt_logprobs) - 1)
+            end = min(start + num_tokens, len(request.prompt_ids) - 1)
+            if first < end:
+                self.prompt_rows.append((entry, first, end - first))

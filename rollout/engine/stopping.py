@@ -7,7 +7,8 @@ from rollout.engine.request import Request
 
 class StopChecker:
     """Decides whether a sequence is done after its newest token: "stop" (EOS, a stop token or a stop string, once
-    `min_new_tokens` are out), "length" (`max_new_tokens`, or the model's last position), or None to go on."""
+    `min_new_tokens` are out; or a structured output whose grammar is complete with only a stop token left to
+    follow), "length" (`max_new_tokens`, or the model's last position), or None to go on."""
 
     def __init__(self, max_positions: int | None = None, tokenizer=None) -> None:
         self.max_positions = max_positions
@@ -21,6 +22,8 @@ class StopChecker:
                 return "stop"
             if p.stop_strings and self._hit_stop_string(req):
                 return "stop"
+        if req.grammar is not None and req.grammar.done:
+            return "stop"
         if req.num_generated >= p.max_new_tokens:
             return "length"
         if self.max_positions is not None and len(req.tokens) >= self.max_positions:

@@ -26,25 +26,26 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               pad_token_id=None)
 
 
-def _build(kind: str):
+def _build(kind: str, vocab_size: int = VOCAB):
+    common = {**COMMON, "vocab_size": vocab_size}
     if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**COMMON))
+        return LlamaForCausalLM(LlamaConfig(**common))
     if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**COMMON))
+        return Qwen2ForCausalLM(Qwen2Config(**common))
     if kind == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **COMMON))
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
     if kind == "mistral":
-        return MistralForCausalLM(MistralConfig(sliding_window=None, **COMMON))
+        return MistralForCausalLM(MistralConfig(sliding_window=None, **common))
     if kind == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                                           eos_token_id=None, bos_token_id=None))
     raise ValueError(kind)
 
 
-def tiny_model(kind: str = "qwen3", seed: int = 0, lm_head_scale: float = 8.0):
+def tiny_model(kind: str = "qwen3", seed: int = 0, lm_head_scale: float = 8.0, vocab_size: int = VOCAB):
     """A tiny fp32 model; the output head is scaled so greedy argmax margins are clear."""
     torch.manual_seed(seed)
-    model = _build(kind).eval()
+    model = _build(kind, vocab_size).eval()
     with torch.no_grad():
         head = model.get_output_embeddings()
         if model.config.tie_word_embeddings:
