@@ -8,6 +8,7 @@ safetensors chunks (so no request body has to hold the whole model, and the serv
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ from rollout.rl.weights import WeightUpdateError
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 * 1024**2
+API_KEY_ENV = "ROLLOUT_API_KEY"  # the same variables `rollout serve` reads its keys from
+ADMIN_KEY_ENV = "ROLLOUT_ADMIN_KEY"
 
 
 class RolloutServerError(RuntimeError):
@@ -32,11 +35,18 @@ class RolloutServerError(RuntimeError):
 
 
 class RolloutClient:
-    """Synchronous client for `rollout.server`. Thread-safe (httpx.Client is); use as a context manager."""
+    """Synchronous client for `rollout.server`. Thread-safe (httpx.Client is); use as a context manager.
+
+    `api_key` (default: $ROLLOUT_API_KEY) goes with generation and metrics requests, `admin_key` (default:
+    $ROLLOUT_ADMIN_KEY) with the RL control requests (weight updates, pause, resume, prefix-cache reset).
+    """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float | None = 600.0,
-                 model: str | None = None, api_key: str | None = None) -> None:
+                 model: str | None = None, api_key: str | None = None, admin_key: str | None = None) -> None:
+        api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        admin_key = admin_key or os.environ.get(ADMIN_KEY_ENV) or None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
         self._model = model
@@ -63,6 +73,13 @@ class RolloutClient:
                 raise error(message)
             raise RolloutServerError(response.status_code, message, body)
         return response.json()
+
+    def _control(self, path: str, error: type[Exception] | None = None, body: dict | None = None, **kwargs) -> Any:
+        """POST to an RL control route: the admin key, and a JSON body (the server refuses any other)."""
+        headers = {**self._admin_headers, **kwargs.pop("headers", {})}
+        if "content" not in kwargs:
+            kwargs["json"] = body or {}
+        return self._request("POST", path, error=error, headers=headers, **kwargs)
 
     def health(self) -> dict:
         """The server's /health body; raises RolloutServerError when it is unhealthy."""
@@ -114,14 +131,25 @@ class RolloutClient:
             })
         return samples
 
+    def score(self, prompts: Sequence[str | Sequence[int]], completions: Sequence[str | Sequence[int]],
+              temperature: float = 1.0, top_logprobs: int = 0) -> dict:
+        """Per-token logprobs of given completions under the server's current weights (POST /score_completions):
+        `completions[j]` follows `prompts[j]`; each is text or token ids. Returns the response body: `data` (per
+        pair: index, prompt_token_ids, token_ids, logprobs and, with top_logprobs, {token id: logprob} per position)
+        and the `weight_version` they were computed under."""
+        body = {"model": self.model(), "temperature": temperature, "top_logprobs": top_logprobs,
+                "prompts": [p if isinstance(p, str) else [int(t) for t in p] for p in prompts],
+                "completions": [c if isinstance(c, str) else [int(t) for t in c] for c in completions]}
+        return self._request("POST", "/score_completions", json=body)
+
     # ----------------------------------------------------------------- weights
     def weight_version(self) -> int:
         return int(self._request("GET", "/weight_version")["weight_version"])
 
     def update_weights_from_path(self, path: str, on_update: str = "keep") -> int:
         """Make the server load a safetensors checkpoint directory from its own disk; returns the new version."""
-        return int(self._request("POST", "/update_weights", error=WeightUpdateError,
-                                 json={"path": str(path), "on_update": on_update})["weight_version"])
+        return int(self._control("/update_weights", WeightUpdateError,
+                                 {"path": str(path), "on_update": on_update})["weight_version"])
 
     def update_weights_from_model(self, model, chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_update: str = "keep",
                                   dtype=None) -> int:
@@ -134,68 +162,75 @@ class RolloutClient:
         """
         from safetensors.torch import save
 
-        update_id = self._request("POST", "/update_weights/begin")["update_id"]
+        update_id = self.begin_weight_update()
         sent = 0
         try:
-            for chunk in _chunks(model, chunk_bytes, dtype):
-                self._request("POST", "/update_weights/chunk", error=WeightUpdateError,
-                              params={"update_id": update_id}, content=save(chunk),
-                              headers={"Content-Type": "application/octet-stream"})
+            for chunk in weight_chunks(model, chunk_bytes, dtype):
+                self.send_weight_chunk(update_id, save(chunk))
                 sent += len(chunk)
-            version = self._request("POST", "/update_weights/commit", error=WeightUpdateError,
-                                    params={"update_id": update_id, "on_update": on_update, "num_tensors": sent})
+            return self.commit_weight_update(update_id, sent, on_update)
         except BaseException:
-            try:  # best effort: free the server's staged copy (a failed commit already dropped it)
-                self._http.post("/update_weights/abort", params={"update_id": update_id})
-            except httpx.HTTPError:
-                logger.debug("abort of weight update %s failed", update_id, exc_info=True)
+            self.abort_weight_update(update_id)
             raise
+
+    # The steps of `update_weights_from_model`, for callers that stage one update on several servers before
+    # committing it on any (rollout.distributed.RolloutServerPool).
+    def begin_weight_update(self) -> str:
+        """Open a chunked upload on the server; returns its update id."""
+        return self._control("/update_weights/begin")["update_id"]
+
+    def send_weight_chunk(self, update_id: str, body: bytes) -> int:
+        """Stage one safetensors file (`safetensors.torch.save` of a `weight_chunks` chunk); WeightUpdateError if
+        the server refuses it (the upload is then failed as a whole)."""
+        return int(self._control("/update_weights/chunk", WeightUpdateError, params={"update_id": update_id},
+                                 content=body, headers={"Content-Type": "application/octet-stream"})["num_tensors"])
+
+    def commit_weight_update(self, update_id: str, num_tensors: int, on_update: str = "keep") -> int:
+        """Apply everything the upload staged at once; returns the new weight version."""
+        version = self._control("/update_weights/commit", WeightUpdateError,
+                                {"update_id": update_id, "on_update": on_update, "num_tensors": num_tensors})
         return int(version["weight_version"])
+
+    def abort_weight_update(self, update_id: str) -> None:
+        """Best effort: free what the server staged for the upload (a failed commit already dropped it)."""
+        try:
+            self._http.post("/update_weights/abort", json={"update_id": update_id}, headers=self._admin_headers)
+        except httpx.HTTPError:
+            logger.debug("abort of weight update %s failed", update_id, exc_info=True)
 
     # ----------------------------------------------------------------- control
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were dropped."""
-        return int(self._request("POST", "/reset_prefix_cache")["dropped_blocks"])
+        return int(self._control("/reset_prefix_cache")["dropped_blocks"])
 
     def pause(self) -> None:
-        """Park generation at a step boundary: running requests wait, new ones queue."""
-        self._request("POST", "/pause")
+        """Park generation at a step boundary: running requests wait, new ones queue (and get a 503 once the pause
+        outlasts the server's --pause-timeout)."""
+        self._control("/pause")
 
     def resume(self) -> None:
-        self._request("POST", "/resume")
+        self._control("/resume")
 
 
-def _chunks(source, chunk_bytes: int, dtype=None) -> Iterator[dict]:
+def weight_chunks(source, chunk_bytes: int = DEFAULT_CHUNK_BYTES, dtype=None) -> Iterator[dict]:
     """Dicts of CPU tensors of about `chunk_bytes` each, ready for safetensors.
 
-    Tensors sharing storage (tied weights) are sent once: the server copies into shared storage once anyway, and
-    safetensors refuses shared tensors in one file. Views are cloned so each tensor owns exactly its bytes.
+    Tensors come from `rollout.distributed.broadcast.cpu_tensors`: each owns exactly its bytes, a stream's are
+    copies (it may overwrite them once the next is read), and a module's tied weights come once (the server copies
+    into shared storage once anyway, and safetensors refuses shared tensors in one file).
     """
-    from rollout.rl.weights import iter_named_tensors
+    from rollout.distributed.broadcast import cpu_tensors
 
-    seen: set[tuple] = set()
     chunk: dict = {}
     size = 0
-    for name, tensor in iter_named_tensors(source):
-        tensor = tensor.detach()
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()))
-        if key in seen:
-            continue
-        seen.add(key)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        tensor = tensor.to("cpu").contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if tensor.untyped_storage().nbytes() != nbytes:
-            tensor = tensor.clone()
-        if chunk and size + nbytes > chunk_bytes:
+    for name, tensor in cpu_tensors(source, dtype):
+        if chunk and size + tensor.nbytes > chunk_bytes:
             yield chunk
             chunk, size = {}, 0
         chunk[name] = tensor
-        size += nbytes
+        size += tensor.nbytes
     if chunk:
         yield chunk
 
 
-__all__ = ["RolloutClient", "RolloutServerError"]
+__all__ = ["RolloutClient", "RolloutServerError", "weight_chunks"]

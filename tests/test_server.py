@@ -24,9 +24,10 @@ from rollout.client import RolloutClient
 from rollout.engine.request import ErrorKind, RequestOutput, RequestStatus
 from rollout.server import build_parser_args, create_app, serve
 from rollout.server.errors import from_failed_output, from_invalid_request
+from rollout.server.settings import ServerSettings
 from rollout.validation import InvalidRequestError
 from tests.helpers.models import perturbed, random_prompts, tiny_model
-from tests.helpers.server import running_server
+from tests.helpers.server import LOCAL, running_server
 from tests.helpers.tokenizers import tiny_tokenizer
 
 MODEL = "tiny"
@@ -38,16 +39,17 @@ def _cb() -> ContinuousBatchingConfig:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     # Tiny matmuls on an oversubscribed CPU are far slower with 2 intra-op threads than with 1 (threads spin-wait
     # for each other); the engine loop, the references and the test clients all share this process.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, tokenizer = tiny_model("qwen3"), tiny_tokenizer()
-    app = create_app(model, tokenizer, MODEL, _cb())
+    weights_dir = tmp_path_factory.mktemp("weights")
+    app = create_app(model, tokenizer, MODEL, _cb(), settings=ServerSettings(weights_dirs=(str(weights_dir),)))
     with running_server(app) as url:
         yield SimpleNamespace(url=url, app=app, backend=app.state.backend, model=model, tokenizer=tokenizer,
-                              http=httpx.Client(base_url=url, timeout=30))
+                              http=httpx.Client(base_url=url, timeout=30), weights_dir=weights_dir)
     torch.set_num_threads(threads)
 
 
@@ -139,7 +141,8 @@ def test_n_samples_seeded_and_rl_logprobs(server, oai):
     for c in first.choices:
         ro = c.model_extra["rollout"]
         assert ro["token_ids"] == c.model_extra["token_ids"] and len(ro["token_ids"]) == 8
-        assert c.logprobs.token_logprobs == pytest.approx(ro["logprobs"])
+        # The OpenAI field reports the model's own logprob (temperature 1, untruncated): here the policy's.
+        assert c.logprobs.token_logprobs == pytest.approx(ro["policy_logprobs"], abs=1e-5)
         lp, pol, kept = (torch.tensor(ro[k]) for k in ("logprobs", "policy_logprobs", "kept_logmass"))
         assert torch.allclose(lp, pol - kept, atol=1e-4) and bool((kept <= 1e-6).all())
         assert ro["weight_versions"] == [version] * 8
@@ -247,16 +250,16 @@ def test_update_weights_from_model_and_rejected_update(server, rc):
     assert metrics(server)["rollout_weight_update_failures_total"] >= 1
 
 
-def test_update_weights_from_checkpoint_dir(server, rc, tmp_path):
+def test_update_weights_from_checkpoint_dir(server, rc):
     prompt = random_prompts([12], seed=10)[0]
     v0 = rc.weight_version()
     new = perturbed(server.model, seed=3)
-    new.save_pretrained(tmp_path)
+    new.save_pretrained(server.weights_dir / "step-1")
     (ref_new,) = reference(server, new, [prompt], 10)
-    assert rc.update_weights_from_path(tmp_path) == v0 + 1
+    assert rc.update_weights_from_path(server.weights_dir / "step-1") == v0 + 1
     assert rc.generate([prompt], max_tokens=10, temperature=0)[0]["completion_ids"] == ref_new
     with pytest.raises(WeightUpdateError):
-        rc.update_weights_from_path(tmp_path / "missing")
+        rc.update_weights_from_path(server.weights_dir / "missing")
     assert rc.weight_version() == v0 + 1
 
 
@@ -386,9 +389,9 @@ def test_requests_cut_by_a_shutdown_answer_503():
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             replies["stream"] = [line for line in resp.iter_lines() if line]
 
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         backend = app.state.backend
-        assert client.post("/pause").json() == {"paused": True}
+        assert client.post("/pause", json={}).json() == {"paused": True}
         threads = [threading.Thread(target=fn, args=(client,)) for fn in (plain, stream)]
         for t in threads:
             t.start()
@@ -420,7 +423,7 @@ def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: launched.update(app=app, **kw))
     serve(args)
     assert launched["port"] == 8123 and launched["host"] == "127.0.0.1"
-    with TestClient(launched["app"]) as client:  # runs the lifespan: the backend is closed on exit
+    with TestClient(launched["app"], base_url=LOCAL) as client:  # runs the lifespan: the backend is closed on exit
         r = client.post("/v1/completions", json=dict(model="ckpt", prompt="w1 w2", max_tokens=4, temperature=0,
                                                      ignore_eos=True, return_token_ids=True))
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
@@ -454,7 +457,7 @@ def test_health_is_degraded_while_forwards_fail_and_ok_after_one_succeeds():
     forward = BreakableForward(model)
     app = create_app(model, tiny_tokenizer(), MODEL, _cb())
     body = dict(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         code, state = _health(client)
         assert code == 200 and state["status"] == "ok"  # nothing ran yet: no evidence against the model
 
@@ -487,7 +490,7 @@ def test_health_recovers_without_traffic_through_its_probe():
     model = tiny_model("qwen3")
     forward = BreakableForward(model)
     app = create_app(model, tiny_tokenizer(), MODEL, _cb())
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         assert client.post("/v1/completions", json=dict(model=MODEL, prompt=[1, 2], max_tokens=2)).status_code == 500
         forward.broken = False
         deadline = time.monotonic() + 60
@@ -514,10 +517,10 @@ def test_serve_with_a_broken_bf16_forward_answers_500_and_health_503(tmp_path, m
     app = launched["app"]
     assert app.state.backend.model.dtype == torch.bfloat16
     BreakableForward(app.state.backend.model)
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         r = client.post("/v1/completions", json=dict(model=str(tmp_path), prompt="w1 w2", max_tokens=4))
         assert r.status_code == 500 and "model forward failed" in r.json()["error"]["message"]
         code, state = _health(client)
         assert code == 503 and state["status"] == "degraded" and "BFloat16" in state["error"]["message"]
-    code, state = _health(TestClient(app))  # after shutdown (lifespan ended): unhealthy for good
+    code, state = _health(TestClient(app, base_url=LOCAL))  # after shutdown (lifespan ended): unhealthy for good
     assert code == 503 and state["status"] == "unhealthy" and "shutting down" in state["reason"]

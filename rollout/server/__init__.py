@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP serving and RL control endpoints on one ContinuousBatchingManager.
 
-`create_app(model, tokenizer, model_name)` builds the FastAPI app; `serve(args)` loads a checkpoint and runs uvicorn
-(options from `build_parser_args`). Talk to it with any OpenAI client, or with `rollout.client.RolloutClient` for
-rollouts with the full logprob contract and weight updates.
+`create_app(model, tokenizer, model_name, settings=ServerSettings(...))` builds the FastAPI app; `serve(args)` loads a
+checkpoint and runs uvicorn (options from `build_parser_args`). Talk to it with any OpenAI client, or with
+`rollout.client.RolloutClient` for rollouts with the full logprob contract and weight updates.
 
 Names are imported on first use, so `rollout.server.cli` (the command's options) works without fastapi installed.
 """
@@ -16,6 +16,7 @@ _EXPORTS = {
     "create_app": "rollout.server.app",
     "OpenAIServing": "rollout.server.serving",
     "ServerBackend": "rollout.server.backend",
+    "ServerSettings": "rollout.server.settings",
     "build_parser_args": "rollout.server.cli",
     "load_model": "rollout.server.cli",
     "serve": "rollout.server.cli",
@@ -33,4 +34,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["OpenAIServing", "ServerBackend", "build_parser_args", "create_app", "load_model", "serve"]
+__all__ = ["OpenAIServing", "ServerBackend", "ServerSettings", "build_parser_args", "create_app", "load_model", "serve"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -32,8 +33,11 @@ from rollout.engine.request import RequestOutput, RequestStatus
 from rollout.manager import ContinuousBatchingManager
 from rollout.rl.generator import RolloutGenerator
 from rollout.sampling_params import SamplingParams
+from rollout.server.errors import OpenAIError
 from rollout.server.routing import RoutedRequest
+from rollout.server.settings import ServerSettings
 from rollout.server.weight_updates import WeightUpdates
+from rollout.thread_teams import run_in_fresh_thread
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +56,10 @@ class ServerBackend:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer,
-                 continuous_batching_config: ContinuousBatchingConfig | None = None) -> None:
+                 continuous_batching_config: ContinuousBatchingConfig | None = None,
+                 settings: ServerSettings | None = None) -> None:
         self.model = model
+        self.settings = settings or ServerSettings()
         self.tokenizer = tokenizer
         # The server owns the model, so the generator runs on it directly (no second copy of the weights).
         self.generator = RolloutGenerator(model, tokenizer=tokenizer, share_weights=True,
@@ -61,8 +67,8 @@ class ServerBackend:
         self.manager: ContinuousBatchingManager = self.generator.manager
         self.manager.start()
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-server-control")
-        self.weights = WeightUpdates(self.generator, self.run_on_control)
-        self._paused = False  # whether an HTTP /pause holds one of the manager's pause counts
+        self.weights = WeightUpdates(self.generator, self.run_on_control, self.settings)
+        self._paused_at: float | None = None  # monotonic time of the HTTP /pause holding a manager pause count
         self._closed = False
         self._count_lock = threading.Lock()
         self.finished: Counter[str] = Counter()  # sequences finished, by finish reason ("cancelled", "error" too)
@@ -96,7 +102,16 @@ class ServerBackend:
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._paused_at is not None
+
+    def pause_overdue(self) -> OpenAIError | None:
+        """The 503 for requests parked behind a /pause that has outlasted `pause_timeout_s`, else None: a client
+        without a timeout of its own is never left waiting forever."""
+        paused_at, limit = self._paused_at, self.settings.pause_timeout_s
+        if paused_at is None or time.monotonic() - paused_at <= limit:
+            return None
+        return OpenAIError(f"generation has been paused (POST /pause) for over {limit:g} s; this request was "
+                           "cancelled: retry after POST /resume", status_code=503, code="generation_paused")
 
     # ------------------------------------------------------------------ health
     def healthy(self) -> bool:
@@ -133,7 +148,7 @@ class ServerBackend:
 
     def _probe(self) -> None:
         """Queue a one-token greedy request whose only purpose is to run a forward (its output is not counted)."""
-        if self._probe_id is not None or self._paused:
+        if self._probe_id is not None or self.paused:
             return
         rid = f"health-probe-{uuid.uuid4().hex}"
         self._probe_id = rid
@@ -151,10 +166,14 @@ class ServerBackend:
 
     # ---------------------------------------------------------------- threads
     async def run_on_control(self, fn: Callable, *args) -> Any:
-        """Run `fn(*args)` on the control thread (for anything that waits on the engine lock) and await it."""
+        """Run `fn(*args)` on the control thread (for anything that waits on the engine lock) and await it.
+
+        Each call runs in a thread of its own that ends with it: weight copies use torch's parallel kernels, and a
+        long-lived control thread would keep an OpenMP team beside the engine loop's (see rollout.thread_teams)."""
         if self._closed:
             raise BackendClosed("the server is shutting down")
-        return await asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
+        call = functools.partial(run_in_fresh_thread, functools.partial(fn, *args), "rollout-server-control-op")
+        return await asyncio.get_running_loop().run_in_executor(self._control, call)
 
     def _control_nowait(self, fn: Callable, *args) -> None:
         """Fire-and-forget on the control thread: usable from a cancelled task, where awaiting is not possible."""
@@ -171,7 +190,10 @@ class ServerBackend:
         """
         if self._closed:
             raise BackendClosed("the server is shutting down")
-        routed = RoutedRequest(asyncio.get_running_loop(), self._cancel_nowait, self._count)
+        overdue = self.pause_overdue()
+        if overdue is not None:
+            raise overdue
+        routed = RoutedRequest(asyncio.get_running_loop(), self._cancel_nowait, self._count, self.pause_overdue)
         try:
             for j, (prompt_ids, params) in enumerate(prompts):
                 rid = f"{request_id}-{j}"
@@ -210,15 +232,15 @@ class ServerBackend:
 
     # ------------------------------------------------------------ pause, cache
     def _pause(self) -> bool:
-        if not self._paused:
+        if not self.paused:
             self.manager.pause_generation()
-            self._paused = True
+            self._paused_at = time.monotonic()
             logger.info("generation paused")
         return True
 
     def _resume(self) -> bool:
-        if self._paused:
-            self._paused = False
+        if self.paused:
+            self._paused_at = None
             self.manager.resume_generation()
             logger.info("generation resumed")
         return False

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from starlette.responses import JSONResponse
+
 from rollout.engine.request import ErrorKind, RequestOutput
 from rollout.openai_params import openai_name
 from rollout.server.protocol import ErrorInfo, ErrorResponse
@@ -47,8 +49,21 @@ def error_type(status_code: int) -> str:
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    """The JSON of an OpenAI error response."""
+    """The JSON of an OpenAI error response. Text that came from the client may hold lone surrogates, which JSON
+    encoders refuse: they are escaped, so reporting a bad input can never fail in turn."""
+    message, param = _encodable(message), _encodable(param) if param is not None else None
     return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
+
+
+def error_response(status_code: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI error response with the usual `type` for its status."""
+    return JSONResponse(error_body(message, error_type(status_code), param, code), status_code=status_code,
+                        headers=headers)
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def from_invalid_request(err: InvalidRequestError, prompt_param: str) -> OpenAIError:

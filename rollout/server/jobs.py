@@ -3,7 +3,10 @@
 Every rule that the engine also applies is the engine's own (`rollout.validation` for prompts and ranges, through
 `check_prompt`, `check_fits` and the engine's `validate_sampling`), so a request that passes here is not failed later,
 and a bad one gets a 400 naming its OpenAI field. What is checked here only is what the OpenAI surface adds (model
-name, prompt shapes, chat messages, fields this server refuses).
+name, prompt shapes, chat messages, fields this server refuses) and the server's own bounds (`ServerSettings`: `n`
+and the sequences of one request), checked before any prompt is tokenized.
+
+Building a job tokenizes and renders templates: callers run it off the event loop (see `serving`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.openai_params import sampling_name
+from rollout.openai_params import JSON_OBJECT_SCHEMA, sampling_name, structured_output_fields
+from rollout.rl.agents.chat_turns import ChatTurns
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed
 from rollout.server.backend import ServerBackend
 from rollout.server.errors import OpenAIError, from_invalid_request
-from rollout.server.protocol import ChatCompletionRequest, CompletionRequest
+from rollout.server.protocol import ChatCompletionRequest, ChatMessageParam, CompletionRequest, valid_unicode
+from rollout.server.settings import ServerSettings
+from rollout.server.tools import ForcedToolCall, forced_tool_call
 from rollout.validation import InvalidRequestError, check_fits, check_prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -49,6 +55,7 @@ class Job:
     top_logprobs: int = 0
     return_token_ids: bool = False
     echo: bool = False
+    tool_call: ForcedToolCall | None = None  # the tool call tool_choice forces (chat), rendered as tool_calls
 
     @property
     def n(self) -> int:
@@ -73,8 +80,10 @@ class Job:
 class JobBuilder:
     """Turns completion and chat requests into Jobs, or raises OpenAIError (400) naming the field at fault."""
 
-    def __init__(self, backend: ServerBackend, tokenizer, model_name: str, model_aliases: Sequence[str] = ()) -> None:
+    def __init__(self, backend: ServerBackend, tokenizer, model_name: str, model_aliases: Sequence[str] = (),
+                 settings: ServerSettings | None = None) -> None:
         self.backend = backend
+        self.settings = settings or ServerSettings()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_names = {model_name, *model_aliases}
@@ -95,11 +104,15 @@ class JobBuilder:
             raise OpenAIError("'suffix' is not supported by this server.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError("'best_of' other than n is not supported by this server.", param="best_of")
-        if req.logprobs is not None and req.logprobs < 0:
-            raise OpenAIError(f"Invalid value for 'logprobs': must be >= 0, got {req.logprobs}.", param="logprobs")
-        prompts = self.completion_prompts(req.prompt)
+        self.check_n(req.n)
+        prompts = self.completion_prompts(req.prompt, req.n)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        if max_tokens == 0 and not req.echo:
+            raise OpenAIError("Invalid value for 'max_tokens': 0 generates nothing, so it is only allowed with "
+                              "echo=true (to get the prompt's logprobs).", param="max_tokens")
         params, stop_ids = self.sampling(req, max_tokens)
+        if req.logprobs is not None:  # echo: the prompt's logprobs too, from the same prefill
+            params = params.with_overrides(logprobs=req.logprobs, prompt_logprobs=req.logprobs if req.echo else None)
         for prompt in prompts:
             self.check_prompt(prompt.ids, max_tokens, "prompt")
         return Job(prompts, params, stop_ids, chat=False, logprobs=req.logprobs is not None,
@@ -107,16 +120,24 @@ class JobBuilder:
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         self.check_model(req.model)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise OpenAIError("Invalid value for 'top_logprobs': must be in [0, 20].", param="top_logprobs")
+        self.check_n(req.n)
         prompt = self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self._default_max_tokens(len(prompt.ids))
-        params, stop_ids = self.sampling(req, max_tokens)
+        tool_call = forced_tool_call(req.tools, req.tool_choice)
+        if tool_call is not None and req.stream:
+            raise OpenAIError("Streaming a forced tool call (tool_choice \"required\" or a named function) is not "
+                              "supported yet; set stream to false.", param="stream")
+        if max_tokens == 0:
+            raise OpenAIError("Invalid value for max_tokens: must be at least 1.",
+                              param="max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
+        params, stop_ids = self.sampling(req, max_tokens, tool_call)
+        if req.logprobs:
+            params = params.with_overrides(logprobs=req.top_logprobs or 0)
         self.check_prompt(prompt.ids, max_tokens, "messages")
         return Job([prompt], params, stop_ids, chat=True, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                   return_token_ids=req.return_token_ids)
+                   return_token_ids=req.return_token_ids, tool_call=tool_call)
 
     # --------------------------------------------------------------- checks
     def check_model(self, name: str | None) -> None:
@@ -124,25 +145,37 @@ class JobBuilder:
             raise OpenAIError(f"The model {name!r} does not exist; this server serves {self.model_name!r}.",
                               param="model", code="model_not_found")
 
+    def check_n(self, n: int) -> None:
+        """The server's cap on samples per prompt (`--max-n`), checked before any work is done."""
+        if n > self.settings.max_n:
+            raise OpenAIError(f"Invalid value for 'n': this server allows at most {self.settings.max_n} samples per "
+                              f"prompt, got {n}.", param="n")
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        """The server's cap on the sequences of one request (`--max-choices`): prompts x n."""
+        if num_prompts * n > self.settings.max_choices:
+            raise OpenAIError(f"This request asks for {num_prompts} prompts x n={n} = {num_prompts * n} sequences; "
+                              f"this server allows at most {self.settings.max_choices} per request: split it.",
+                              param="prompt")
+
     def check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
         """The engine's prompt rule, plus the server's promise that the whole completion fits the context and the
         KV cache (the engine alone would cut it short at the context end or fail it later)."""
         backend = self.backend
         try:
-            check_prompt(ids, backend.vocab_size, backend.max_positions)
+            check_prompt(ids, backend.vocab_size, backend.max_positions, prefill_only=max_tokens == 0)
             check_fits(len(ids), max_tokens, backend.max_positions, backend.kv_capacity_tokens)
         except InvalidRequestError as err:
             raise from_invalid_request(err, param) from err
 
-    def sampling(self, req: CompletionRequest | ChatCompletionRequest,
-                 max_tokens: int | None) -> tuple[SamplingParams, set[int]]:
+    def sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                 tool_call: ForcedToolCall | None = None) -> tuple[SamplingParams, set[int]]:
         """OpenAI fields -> SamplingParams (validated by the engine's rule), and the stop ids of the text."""
         for name in _UNSUPPORTED_PENALTIES:
             if getattr(req, name):
                 raise OpenAIError(f"Invalid value for '{name}': is not supported by this server (use "
                                   "repetition_penalty).", param=name)
-        if req.logit_bias:
-            raise OpenAIError("Invalid value for 'logit_bias': is not supported by this server.", param="logit_bias")
+        structured, source = self.structured_output(req, tool_call)
         vocab = self.backend.vocab_size
         stop_token_ids = list(req.stop_token_ids or [])
         if any(not 0 <= t < vocab for t in stop_token_ids):
@@ -162,15 +195,46 @@ class JobBuilder:
             "stop_token_ids": stop_token_ids or None,
             "ignore_eos": req.ignore_eos or None,
             "n": req.n,
+            "logit_bias": req.logit_bias or None,
         }
         params = SamplingParams(do_sample=temperature > 0, eos_token_id=None if req.ignore_eos else
-                                (self.eos_ids or None), **{sampling_name(k): v for k, v in openai_fields.items()})
+                                (self.eos_ids or None), **{sampling_name(k): v for k, v in openai_fields.items()},
+                                **structured)
         try:  # the engine's own validation, so nothing that passes here fails later in the engine
             self.backend.engine.validate_sampling(params)
         except InvalidRequestError as err:
+            if source is not None and err.param in structured:  # name the request field the spec came from
+                raise OpenAIError(f"Invalid value for '{source}': {err}", param=source) from err
             raise from_invalid_request(err, "prompt") from err
         stop_ids = set(stop_token_ids) | (set() if req.ignore_eos else set(self.eos_ids))
         return params, stop_ids
+
+    @staticmethod
+    def structured_output(req: CompletionRequest | ChatCompletionRequest,
+                          tool_call: ForcedToolCall | None) -> tuple[dict[str, Any], str | None]:
+        """What the output must follow, as SamplingParams fields, and the request field that asked for it:
+        `response_format`, vLLM's `structured_outputs`, or a forced tool call (at most one of them)."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_schema": JSON_OBJECT_SCHEMA}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise OpenAIError("Invalid value for 'response_format': type json_schema needs "
+                                  "json_schema.schema.", param="response_format")
+            asked.append(("response_format", {"json_schema": fmt.json_schema.schema_}))
+        if req.structured_outputs is not None:
+            spec = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            try:
+                asked.append(("structured_outputs", structured_output_fields(spec)))
+            except ValueError as err:
+                raise OpenAIError(f"Invalid value for 'structured_outputs': {err}", param="structured_outputs") from err
+        if tool_call is not None:
+            asked.append(("tool_choice", {"json_schema": tool_call.schema}))
+        if len(asked) > 1:
+            names = " and ".join(f"'{name}'" for name, _ in asked)
+            raise OpenAIError(f"{names} each constrain the output; pass only one of them.", param=asked[1][0])
+        return (asked[0][1], asked[0][0]) if asked else ({}, None)
 
     def _default_max_tokens(self, prompt_len: int) -> int:
         """Chat's default: the rest of the context (and of the KV cache), as OpenAI and vLLM do."""
@@ -181,10 +245,15 @@ class JobBuilder:
 
     # -------------------------------------------------------------- prompts
     def _tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        try:
+            valid_unicode(text)
+            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        except Exception as err:  # the text is the caller's input: whatever the tokenizer refuses is a 400
+            raise OpenAIError(f"The prompt could not be tokenized: {err}", param="prompt") from err
 
-    def completion_prompts(self, prompt: Any) -> list[Prompt]:
-        """Text, list of texts, token ids, or list of token-id lists -> prompts (lists may mix texts and ids)."""
+    def completion_prompts(self, prompt: Any, n: int = 1) -> list[Prompt]:
+        """Text, list of texts, token ids, or list of token-id lists -> prompts (lists may mix texts and ids).
+        Their number is checked (`check_choices`) before any is tokenized."""
         if prompt is None:
             raise OpenAIError("'prompt' is required.", param="prompt")
         if isinstance(prompt, str):
@@ -196,6 +265,7 @@ class JobBuilder:
             items = [prompt] if all(_is_int(x) for x in prompt) else prompt
         else:
             items = [None]
+        self.check_choices(len(items), n)
         out = []
         for item in items:
             if isinstance(item, str):
@@ -209,8 +279,6 @@ class JobBuilder:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
         """The messages rendered by the tokenizer's chat template, ending with the assistant turn's opening."""
-        if not req.messages:
-            raise OpenAIError("'messages' must be a non-empty list.", param="messages")
         messages = [_text_message(i, m) for i, m in enumerate(req.messages)]
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError("This model's tokenizer has no chat template; use /v1/completions.",
@@ -218,6 +286,8 @@ class JobBuilder:
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             kwargs["tools"] = req.tools
+        if req.prompt_token_ids is not None:
+            return Prompt(list(req.prompt_token_ids) + self._appended(messages, kwargs))
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception as err:  # a template error is the caller's input problem
@@ -228,20 +298,28 @@ class JobBuilder:
         return Prompt([int(t) for t in ids])
 
 
-def _text_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
-    """Message `i` with its content as one string (OpenAI content parts: only text ones are supported)."""
-    if not isinstance(message.get("role"), str):
-        raise OpenAIError(f"messages[{i}] has no 'role'.", param=f"messages[{i}].role")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) != len(content):
-            raise OpenAIError("Only text content parts are supported.", param=f"messages[{i}].content")
-        return {**message, "content": "".join(texts)}
-    if content is not None and not isinstance(content, str):
-        raise OpenAIError("Message content must be a string or a list of text parts.",
-                          param=f"messages[{i}].content")
-    return message
+    def _appended(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+        """Token in: the ids of messages that follow a conversation given as ids, rendered on their own (the
+        conversation is never re-tokenized) and ending with the assistant turn's opening; [] for no messages."""
+        if not messages:
+            return []
+        try:
+            return ChatTurns(self.tokenizer, kwargs).render(messages)
+        except Exception as err:  # a template error is the caller's input problem
+            raise OpenAIError(f"The chat template could not render these messages after prompt_token_ids: {err}",
+                              param="messages") from err
+
+
+def _text_message(i: int, message: ChatMessageParam) -> dict[str, Any]:
+    """Message `i` as the chat template takes it, its content as one string (OpenAI content parts: only text ones
+    are supported; the protocol model has already checked every type)."""
+    data = message.model_dump(exclude_unset=True)
+    if isinstance(message.content, list):
+        if any(part.type != "text" or part.text is None for part in message.content):
+            raise OpenAIError("Only text content parts ({\"type\": \"text\", \"text\": \"...\"}) are supported.",
+                              param=f"messages[{i}].content")
+        data["content"] = "".join(part.text for part in message.content)
+    return data
 
 
 def _or_default(value: Any, default: Any) -> Any:

@@ -48,7 +48,21 @@ def sse(body: BaseModel | dict) -> str:
 
 def json_floats(values: Sequence[float]) -> list[float | None]:
     """JSON has no infinities: -inf becomes -9999.0 (as vLLM reports it), NaN becomes null."""
-    return [None if v != v else max(min(v, 9999.0), -9999.0) for v in values]
+    return [json_float(v) for v in values]
+
+
+def json_float(value: float) -> float | None:
+    return None if value != value else max(min(value, 9999.0), -9999.0)
+
+
+def api_logprobs(out: RequestOutput) -> tuple[list[float], list[dict[int, float]]]:
+    """What the OpenAI `logprobs` fields report per generated token: the model's own fp32 log_softmax(logits), at
+    temperature 1 and before any logits processor (vLLM's default), and its top alternatives. Not the sampled
+    distribution's logprob, which is 0 for a greedy token: that one, with the rest of the RL contract, is in the
+    `rollout` extension."""
+    if out.raw_logprobs is None:  # the request did not ask for logprobs
+        return list(out.logprobs), [{} for _ in out.logprobs]
+    return out.raw_logprobs, out.raw_top_logprobs or [{} for _ in out.raw_logprobs]
 
 
 class ResponseRenderer:
@@ -58,6 +72,7 @@ class ResponseRenderer:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self._weight_version = weight_version
+        self._texts: dict[int, str] = {}  # token id -> its text decoded alone (bounded by the vocabulary)
 
     # ------------------------------------------------------------ pieces
     def text_tracker(self, job: Job, choice: int) -> CompletionText:
@@ -66,7 +81,10 @@ class ResponseRenderer:
         return CompletionText(self.tokenizer, job.params.stop_strings or (), job.stop_ids, context)
 
     def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     def echo_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)
@@ -78,35 +96,60 @@ class ResponseRenderer:
                              kept_logmass=json_floats(out.kept_logmass[start:]),
                              weight_versions=out.weight_versions[start:])
 
-    def completion_logprobs(self, out: RequestOutput, job: Job, start: int, offset: int,
+    def completion_logprobs(self, out: RequestOutput, job: Job, start: int, offset: int | None,
                             prompt: Prompt | None = None) -> CompletionLogprobs:
-        """OpenAI's legacy logprobs object for generated tokens [start:], text offsets counted from `offset`.
+        """OpenAI's legacy logprobs object: with `prompt` (echo) the prompt's tokens first, from text offset 0, then
+        the generated tokens [start:] from text offset `offset` (None: right after the prompt's tokens).
 
-        Tokens are decoded one by one, so `text_offset` ignores separators a tokenizer adds between tokens (an
-        approximation; decoding every prefix would be quadratic in the completion length).
+        Values are the model's own log_softmax(logits) (see `api_logprobs`). `top_logprobs` has the `logprobs` most
+        likely tokens plus the token itself (so up to logprobs + 1 entries, as OpenAI says); the first prompt token
+        has no logprob (null). Tokens are decoded one by one and `text_offset` adds up their lengths, as vLLM does
+        (exact for byte-level tokenizers; one that joins tokens with separators has offsets that ignore them).
         """
-        tokens: list[str] = []
-        logprobs: list[float | None] = []
-        if prompt is not None:  # echo: prompt tokens first, without logprobs (the engine computes none for them)
-            tokens += [self._token_text(t) for t in prompt.ids]
-            logprobs += [None] * len(prompt.ids)
+        body = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        pos = 0
+        if prompt is not None:
+            pos = self._add_legacy(body, prompt.ids, out.prompt_logprobs or [], out.prompt_top_logprobs, 0)
         new = out.generated_tokens[start:]
-        tokens += [self._token_text(t) for t in new]
-        logprobs += json_floats(out.logprobs[start:start + len(new)])
-        offsets, pos = [], offset
-        for tok in tokens:
-            offsets.append(pos)
-            pos += len(tok)
-        top = [None if lp is None else ({tok: lp} if job.top_logprobs > 0 else {}) for tok, lp in zip(tokens, logprobs)]
-        return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
+        values, alternatives = api_logprobs(out)
+        self._add_legacy(body, new, values[start:start + len(new)], alternatives[start:start + len(new)],
+                         pos if offset is None else offset)
+        return body
+
+    def _add_legacy(self, body: CompletionLogprobs, ids: Sequence[int], values: Sequence[float | None],
+                    alternatives: Sequence[dict[int, float] | None] | None, pos: int) -> int:
+        """Append tokens `ids` with their logprobs to a legacy logprobs object; returns the text offset after them."""
+        for i, token in enumerate(ids):
+            text = self._token_text(token)
+            value = values[i] if i < len(values) else None
+            top = None
+            if value is not None:
+                top = {}
+                for alt, alt_value in ((alternatives[i] if alternatives else None) or {}).items():
+                    top.setdefault(self._token_text(alt), json_float(alt_value))  # the likelier of equal texts
+                top.setdefault(text, json_float(value))
+            body.tokens.append(text)
+            body.token_logprobs.append(None if value is None else json_float(value))
+            body.top_logprobs.append(top)
+            body.text_offset.append(pos)
+            pos += len(text)
+        return pos
 
     def chat_logprobs(self, out: RequestOutput, job: Job, start: int = 0) -> ChatLogprobs:
+        """Chat's logprobs: per generated token the model's own logprob (see `api_logprobs`) and its `top_logprobs`
+        most likely tokens, most likely first."""
+        values, alternatives = api_logprobs(out)
         content = []
-        for tok_id, lp in zip(out.generated_tokens[start:], json_floats(out.logprobs[start:])):
-            tok = self._token_text(tok_id)
-            top = ChatTopLogprob(token=tok, logprob=lp, bytes=list(tok.encode("utf-8")))
-            content.append(ChatTokenLogprob(**top.model_dump(), top_logprobs=[top] if job.top_logprobs > 0 else []))
+        for i, token in enumerate(out.generated_tokens[start:], start):
+            text = self._token_text(token)
+            top = [self._chat_entry(alt, value) for alt, value in list(alternatives[i].items())[:job.top_logprobs]]
+            content.append(ChatTokenLogprob(token=text, logprob=json_float(values[i]), bytes=list(text.encode()),
+                                            top_logprobs=top))
         return ChatLogprobs(content=content)
+
+    def _chat_entry(self, token: int, value: float) -> ChatTopLogprob:
+        text = self._token_text(token)
+        return ChatTopLogprob(token=text, logprob=json_float(value), bytes=list(text.encode()))
 
     def extras(self, job: Job, choice: int, out: RequestOutput, start: int, rollout: bool) -> dict[str, Any]:
         """The RL extensions of a choice (or of a chunk covering tokens [start:]) that the request asked for."""
@@ -142,15 +185,19 @@ class ResponseRenderer:
         prompt = job.prompt_of(index)
         text = self.text_tracker(job, index).full_text(out.generated_tokens, out.finish_reason)
         prefix = self.echo_text(prompt) if job.echo else ""
-        logprobs = self.completion_logprobs(out, job, 0, 0, prompt if job.echo else None) if job.logprobs else None
+        logprobs = self.completion_logprobs(out, job, 0, None if job.echo else 0,
+                                            prompt if job.echo else None) if job.logprobs else None
         return CompletionChoice(index=index, text=prefix + text, logprobs=logprobs, finish_reason=out.finish_reason,
                                 **self.extras(job, index, out, 0, rollout=job.logprobs))
 
     def _chat_choice(self, job: Job, index: int, out: RequestOutput) -> ChatChoice:
         text = self.text_tracker(job, index).full_text(out.generated_tokens, out.finish_reason)
-        return ChatChoice(index=index, message=ChatMessage(content=text),
+        message, finish_reason = ChatMessage(content=text), out.finish_reason
+        if job.tool_call is not None:  # a forced tool call comes back as tool_calls
+            message, finish_reason = job.tool_call.message(text, out.finish_reason)
+        return ChatChoice(index=index, message=message,
                           logprobs=self.chat_logprobs(out, job) if job.logprobs else None,
-                          finish_reason=out.finish_reason, **self.extras(job, index, out, 0, rollout=job.logprobs))
+                          finish_reason=finish_reason, **self.extras(job, index, out, 0, rollout=job.logprobs))
 
     # --------------------------------------------------------------- streams
     async def stream(self, job: Job, routed: RoutedRequest, response_id: str, created: int,
@@ -191,6 +238,7 @@ class _StreamState:
         self.texts: dict[int, CompletionText] = {}
         self.emitted: dict[int, int] = {}  # generated tokens already reported, per choice
         self.offsets: dict[int, int] = {}  # text offset for legacy logprobs, per choice
+        self.echo_logprobs: set[int] = set()  # choices whose echoed prompt's logprobs are still to send
         self._finals: dict[int, RequestOutput] = {}
 
     def wrap(self, choices: list, usage: Usage | None = None) -> StreamChunk:
@@ -210,6 +258,8 @@ class _StreamState:
         if self.job.echo:
             prefix = self.renderer.echo_text(self.job.prompt_of(i))
             self.offsets[i] = len(prefix)
+            if self.job.logprobs:  # they come with the first chunk after the prefill
+                self.echo_logprobs.add(i)
             return self.wrap([CompletionChoice(index=i, text=prefix)])
         return None
 
@@ -224,12 +274,14 @@ class _StreamState:
         self.emitted[i] = end
         if finished:
             self._finals[i] = out
-        new_logprobs = job.logprobs and end > start
+        prompt = job.prompt_of(i) if i in self.echo_logprobs else None
+        self.echo_logprobs.discard(i)
+        new_logprobs = job.logprobs and (end > start or prompt is not None)
         common = dict(index=i, finish_reason=out.finish_reason if finished else None,
                       **renderer.extras(job, i, out, start, rollout=new_logprobs))
         if job.chat:
             logprobs = renderer.chat_logprobs(out, job, start) if new_logprobs else None
             return self.wrap([ChatStreamChoice(delta=ChatDelta(content=delta or None), logprobs=logprobs, **common)])
-        logprobs = renderer.completion_logprobs(out, job, start, self.offsets[i]) if new_logprobs else None
+        logprobs = renderer.completion_logprobs(out, job, start, self.offsets[i], prompt) if new_logprobs else None
         self.offsets[i] += len(delta)
         return self.wrap([CompletionChoice(text=delta, logprobs=logprobs, **common)])

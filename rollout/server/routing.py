@@ -3,7 +3,8 @@
 The manager calls `on_output` (its output router) for every output of the request's sequences, on its own thread;
 `on_output` only hands the output to the event loop with `call_soon_threadsafe`, so the loop thread never waits on
 the server. The HTTP side reads the outputs as (choice index, output) pairs, streamed or all at once, and closing
-the request early (the client went away) cancels the sequences that have not finished.
+the request early (the client went away, or `stalled` says it waited too long) cancels the sequences that have not
+finished.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from rollout.engine.sequence_group import sequence_ids
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.5  # how often a request waiting for its results checks that its client is still there
+DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there and it is not stalled
+LOGGED_IDS = 5  # request ids named in one log line (a request may have a thousand)
 
 
 class RoutedRequest:
@@ -30,8 +32,10 @@ class RoutedRequest:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, cancel: Callable[[list[str]], None],
-                 on_final: Callable[[RequestOutput], None]) -> None:
+                 on_final: Callable[[RequestOutput], None],
+                 stalled: Callable[[], Exception | None] = lambda: None) -> None:
         self._cancel = cancel
+        self._stalled = stalled  # the error to give up with, when waiting longer makes no sense (an overdue pause)
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.on_output = _router_callback(loop, self._queue, on_final)
         self._choice: dict[str, int] = {}  # sequence id -> choice index (prompt-major)
@@ -58,10 +62,23 @@ class RoutedRequest:
         if self._closed or len(self._finals) == self.num_choices:
             raise StopAsyncIteration
         try:
-            return await self._next()
-        except BaseException:  # cancelled while waiting: the client went away
+            return await self._next_watched(None, DISCONNECT_POLL_S)
+        except BaseException:  # cancelled while waiting (the client went away), or stalled
             self.close()
             raise
+
+    async def _next_watched(self, disconnected: Callable[[], Awaitable[bool]] | None,
+                            poll_s: float) -> tuple[int, RequestOutput] | None:
+        """The next output; None if the client went away first. Raises the `stalled` error once there is one."""
+        while True:
+            try:
+                return await asyncio.wait_for(self._next(), timeout=poll_s)
+            except asyncio.TimeoutError:
+                error = self._stalled()
+                if error is not None:
+                    raise error from None
+                if disconnected is not None and await disconnected():
+                    return None
 
     async def _next(self) -> tuple[int, RequestOutput]:
         out = await self._queue.get()
@@ -72,17 +89,15 @@ class RoutedRequest:
 
     async def results(self, disconnected: Callable[[], Awaitable[bool]] | None = None,
                       poll_s: float = DISCONNECT_POLL_S) -> list[RequestOutput] | None:
-        """Every final output in choice order; None (after cancelling the rest) if the client went away first."""
+        """Every final output in choice order; None (after cancelling the rest) if the client went away first.
+        Raises the `stalled` error (after cancelling the rest) once there is one."""
         try:
             while len(self._finals) < self.num_choices:
-                try:
-                    await asyncio.wait_for(self._next(), timeout=poll_s if disconnected else None)
-                except asyncio.TimeoutError:
-                    if await disconnected():
-                        logger.info("client disconnected; cancelling %s", self._unfinished_requests())
-                        self.close()
-                        return None
-        except asyncio.CancelledError:
+                if await self._next_watched(disconnected, poll_s) is None:
+                    logger.info("client disconnected; cancelling %s", _some(self._unfinished_requests()))
+                    self.close()
+                    return None
+        except BaseException:
             self.close()
             raise
         return [self._finals[i] for i in range(self.num_choices)]
@@ -99,7 +114,7 @@ class RoutedRequest:
         self._closed = True
         left = self._unfinished_requests()
         if left:
-            logger.info("request closed early; cancelling %s", left)
+            logger.info("request closed early; cancelling %s", _some(left))
             self._cancel(left)
 
     async def aclose(self) -> None:
@@ -108,6 +123,12 @@ class RoutedRequest:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _some(ids: list[str]) -> str:
+    """A bounded description of a list of ids, for one log line."""
+    more = f" and {len(ids) - LOGGED_IDS} more" if len(ids) > LOGGED_IDS else ""
+    return ", ".join(ids[:LOGGED_IDS]) + more
 
 
 def _router_callback(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,

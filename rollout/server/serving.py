@@ -1,7 +1,9 @@
 """OpenAIServing: one completion or chat request from body to response (translate, submit, wait or stream, render).
 
 Translation lives in `jobs`, rendering in `rendering`, and the engine side in `backend`; this module only runs the
-sequence and decides how a failed sequence fails the HTTP request (by its `error_kind`, see `errors`).
+sequence and decides how a failed sequence fails the HTTP request (by its `error_kind`, see `errors`). Translation
+tokenizes and renders the chat template, so it runs on a worker thread: a long prompt never stalls the event loop
+(and with it /health, /metrics and every stream).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from rollout.engine.request import RequestStatus
 from rollout.server.backend import ServerBackend
@@ -20,6 +23,7 @@ from rollout.server.errors import error_body, from_failed_output
 from rollout.server.jobs import Job, JobBuilder
 from rollout.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from rollout.server.rendering import ResponseRenderer
+from rollout.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +38,20 @@ def json_response(body: BaseModel, status_code: int = 200) -> Response:
 class OpenAIServing:
     """The OpenAI surface of one served model: `/v1/completions`, `/v1/chat/completions` and `/v1/models`."""
 
-    def __init__(self, backend: ServerBackend, tokenizer, model_name: str, model_aliases: Sequence[str] = ()) -> None:
+    def __init__(self, backend: ServerBackend, tokenizer, model_name: str, model_aliases: Sequence[str] = (),
+                 settings: ServerSettings | None = None) -> None:
         self.backend = backend
         self.model_name = model_name
-        self.jobs = JobBuilder(backend, tokenizer, model_name, model_aliases)
+        self.jobs = JobBuilder(backend, tokenizer, model_name, model_aliases, settings)
         self.renderer = ResponseRenderer(tokenizer, model_name, lambda: backend.weight_version)
 
     async def completions(self, body: CompletionRequest, disconnected: Callable[[], Awaitable[bool]]) -> Response:
-        return await self._generate(self.jobs.completion_job(body), body.stream, _include_usage(body), disconnected)
+        job = await run_in_threadpool(self.jobs.completion_job, body)
+        return await self._generate(job, body.stream, _include_usage(body), disconnected)
 
     async def chat(self, body: ChatCompletionRequest, disconnected: Callable[[], Awaitable[bool]]) -> Response:
-        return await self._generate(self.jobs.chat_job(body), body.stream, _include_usage(body), disconnected)
+        job = await run_in_threadpool(self.jobs.chat_job, body)
+        return await self._generate(job, body.stream, _include_usage(body), disconnected)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=int(self.backend.started), root=self.model_name,
