@@ -101,11 +101,22 @@ def test_update_from_a_stream_with_peft_names_bf16_and_tied_weights_once():
             assert torch.equal(updated[name], tensor.bfloat16().float()), name
 
 
-@pytest.mark.parametrize("bad", ["unknown", "shape", "nan", "empty"])
+@pytest.mark.parametrize("bad", ["unknown", "shape", "nan", "empty", "complex", "int", "bool", "float8 nan",
+                                 "overflow"])
 def test_rejected_update_keeps_old_weights(model, bad):
     prompts = random_prompts([15], seed=6)
     state = perturbed(model).state_dict()
-    if bad == "unknown":
+    name = "model.layers.1.mlp.up_proj.weight"
+    if bad in ("complex", "int", "bool", "float8 nan"):  # complex values escaped the finiteness check, ints and
+        dtype = {"complex": torch.complex64, "int": torch.int32, "bool": torch.bool,  # bools were cast silently
+                 "float8 nan": torch.float8_e4m3fn}[bad]
+        state[name] = state[name].to(dtype)
+        if bad not in ("int", "bool"):
+            state[name][0, 0] = float("nan")
+    elif bad == "overflow":  # finite in float64, inf in the model's float32
+        state[name] = state[name].double()
+        state[name][0, 0] = 1e300
+    elif bad == "unknown":
         state["model.layers.0.mlp.not_a_weight"] = torch.zeros(3)
     elif bad == "shape":
         state["model.norm.weight"] = torch.ones(7)

@@ -121,6 +121,27 @@ def test_trl_sampling_settings_reach_the_engine(tmp_path):
                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok)
 
 
+def test_trl_structured_output_settings_reach_the_engine(tmp_path):
+    """TRL's vllm_structured_outputs_regex and vLLM-style generation_kwargs (structured_outputs, logit_bias) constrain
+    the engine's rollouts."""
+    model, tok = _policy()
+    args = GRPOConfig(**{**_common(tmp_path), "vllm_structured_outputs_regex": "(w7|w9)+",
+                         "generation_kwargs": {"logit_bias": {str(tok.eos_token_id): -100}}})
+    trainer = RolloutGRPOTrainer(model=model, reward_funcs=reward_w7, args=args,
+                                 train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok)
+    p = trainer.vllm_generation.sampling_params
+    assert p.regex == "(w7|w9)+" and p.logit_bias == {str(tok.eos_token_id): -100}
+    batch = trainer.rollout_generator.generate([tok(q)["input_ids"] for q in PROMPTS[:3]], n=2, sampling_params=p)
+    words = {tok.convert_tokens_to_ids("w7"), tok.convert_tokens_to_ids("w9")}
+    assert all(set(s.completion_ids) <= words and len(s.completion_ids) == 8 for s in batch.samples)
+    trainer.rollout_generator.close()
+    args = GRPOConfig(**{**_common(tmp_path), "generation_kwargs": {"structured_outputs": {"choice": ["w3", "w4"]}}})
+    trainer = RolloutGRPOTrainer(model=model, reward_funcs=reward_w7, args=args,
+                                 train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok)
+    assert trainer.vllm_generation.sampling_params.choice == ["w3", "w4"]
+    trainer.rollout_generator.close()
+
+
 def test_unsupported_trl_version_fails_clearly(monkeypatch):
     import trl
 
@@ -160,6 +181,10 @@ def test_grpo_with_a_separate_rollout_server(tmp_path):
             out = client.generate([prompt], temperature=0, max_tokens=8, min_tokens=8)[0]
         ref, safe = greedy_reference(trainer.model.eval(), prompt, 8)
         assert out["completion_ids"][:safe] == ref[:safe]
+        local_only = GRPOConfig(**{**_common(tmp_path), "generation_kwargs": {"allowed_token_ids": [5, 6]}})
+        with pytest.raises(ValueError, match=r"\['allowed_token_ids'\] need the engine in this process"):
+            RolloutGRPOTrainer(model=model, reward_funcs=reward_w7, args=local_only, processing_class=tok,
+                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_server=url)
 
 
 # ------------------------------------------------------------------- old_per_token_logps from the engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from rollout.distributed.metrics import worker_metrics
 from rollout.rl.generator import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -14,7 +15,8 @@ def rollout_metrics(batch: RolloutBatch, sync_seconds: float | None = None, pref
     """Flat float metrics of one generation step (keys prefixed for the trainer's or W&B's namespace).
 
     `batch.stats` is the generator's window of `EngineStats.as_dict()` (plus seconds and tokens/s); a remote batch
-    carries only what the server reports, and missing figures are 0."""
+    carries only what the server reports, and missing figures are 0. A pool's batch is pooled over its workers, and
+    adds each worker's figures as `rollout/worker<id>/...` (see rollout.distributed.metrics)."""
     stats = batch.stats
     lengths = [len(s.completion_ids) for s in batch.samples] or [0]
     reasons = Counter(s.finish_reason for s in batch.samples)
@@ -36,7 +38,7 @@ def rollout_metrics(batch: RolloutBatch, sync_seconds: float | None = None, pref
         out[f"finish_reason/{reason}"] = reasons.get(reason, 0) / max(1, len(batch.samples))
     if sync_seconds is not None:
         out["weight_sync_seconds"] = sync_seconds
-    return {prefix + k: float(v) for k, v in out.items()}
+    return {**{prefix + k: float(v) for k, v in out.items()}, **worker_metrics(stats, prefix)}
 
 
 def log_to_wandb(metrics: dict, step: int | None = None) -> bool:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from torch import nn
 from transformers import TrainerCallback
 
 from rollout.rl.generator import RolloutBatch, RolloutGenerator
 from trainer_hooks.metrics import log_to_wandb, rollout_metrics
+
+if TYPE_CHECKING:
+    from rollout.distributed import RolloutPool, RolloutServerPool
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -27,9 +31,11 @@ class WeightSync:
     """Call after `optimizer.step()`: every `every` calls, the generator takes the model's new weights in place.
 
     The generator's KV cache stays allocated; the weight version it returns tags every token generated afterwards.
+    A RolloutPool or RolloutServerPool works the same way: every worker takes the update, or none does.
     """
 
-    def __init__(self, generator: RolloutGenerator, model: nn.Module, every: int = 1, on_update: str = "keep"):
+    def __init__(self, generator: RolloutGenerator | RolloutPool | RolloutServerPool, model: nn.Module,
+                 every: int = 1, on_update: str = "keep"):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.generator = generator
@@ -64,9 +70,11 @@ class WeightSync:
 
 
 class WeightSyncCallback(TrainerCallback):
-    """For any transformers Trainer: sync the generator from the trained model every `every` optimizer steps."""
+    """For any transformers Trainer: sync the generator (or a pool) from the trained model every `every` optimizer
+    steps."""
 
-    def __init__(self, generator: RolloutGenerator, every: int = 1, on_update: str = "keep"):
+    def __init__(self, generator: RolloutGenerator | RolloutPool | RolloutServerPool, every: int = 1,
+                 on_update: str = "keep"):
         self.generator = generator
         self.every = every
         self.on_update = on_update

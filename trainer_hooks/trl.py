@@ -6,6 +6,13 @@ with that contract, so everything else in TRL (its sampling settings, the import
 metrics, eval, the tool-calling loop) runs unchanged. Weight sync walks TRL's own parameter iteration, so ZeRO-3
 gathering, FSDP and PEFT merge/unmerge keep working. This touches TRL internals, hence the pinned version range.
 
+Sampling settings come from TRL's arguments plus `generation_kwargs`, under vLLM's names (rollout.openai_params):
+`max_tokens`, `stop`, `seed`, `logit_bias`, `allowed_token_ids`, `bad_words_ids`, `logits_processors`, and
+structured outputs as `{"structured_outputs": {"regex" | "json" | "choice" | "grammar" | "json_object": ...}}` or flat
+as `structured_outputs_regex` (`_json`, `_choice`, `_grammar`); TRL's `vllm_structured_outputs_regex` takes
+precedence, as in TRL. Structured outputs need the tokenizer the trainer passes and `pip install "rollout[structured]"`.
+Processors leave `policy_logprobs` (what TRL's old-logprob pass recomputes) the raw policy's.
+
 In vLLM mode TRL recomputes `old_per_token_logps` with a forward pass over the whole generation batch, for its
 importance-sampling correction. When the engine computed exactly that (see `_RolloutMixin`), the trainer hands TRL the
 engine's per-token policy logprobs instead: `_get_per_token_logps_and_entropies` answers that one call from them, and
@@ -19,15 +26,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from itertools import groupby
 
 import torch
 from packaging.version import Version
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.openai_params import sampling_overrides
-from rollout.rl.generator import RolloutBatch, RolloutGenerator, RolloutSample
+from rollout.openai_params import STRUCTURED_KWARGS, sampling_overrides
+from rollout.rl.generator import RolloutBatch, RolloutGenerator
 from rollout.sampling_params import SamplingParams
+from trainer_hooks.conversation_kv import ConversationKV
 from trainer_hooks.metrics import rollout_metrics
 from trainer_hooks.old_logprobs import PendingOldLogps, inexact_reason
 from trainer_hooks.padding import unpadded_logps
@@ -55,9 +64,9 @@ _trl = _require_trl()
 from trl import GRPOTrainer, RLOOTrainer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-# SamplingParams fields a `rollout serve` process takes in a completion request (it applies the tokenizer's EOS).
-_REMOTE_FIELDS = {"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
-                  "min_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos"}
+# The SamplingParams fields a `rollout serve` process takes: rollout.distributed.server_pool.REMOTE_FIELDS.
+# Settings only an engine in this process can apply (callables and token-id masks do not travel over HTTP).
+_LOCAL_ONLY_FIELDS = ("logits_processors", "allowed_token_ids", "bad_words_ids")
 
 
 # Where TRL's old_per_token_logps come from: see _RolloutMixin.
@@ -65,14 +74,15 @@ OLD_LOGPROB_MODES = ("auto", "engine", "recompute")
 
 
 class RolloutTRLGeneration(VLLMGeneration):
-    """TRL's generation-wrapper contract, served by a RolloutGenerator.
+    """TRL's generation-wrapper contract, served by a RolloutGenerator, a RolloutPool, or `rollout serve` servers.
 
     It inherits only TRL's parameter iteration (`_iter_named_params`); vLLM is never started.
     """
 
     def __init__(self, trainer, rollout_config: ContinuousBatchingConfig | None, share_weights: bool,
                  dtype: torch.dtype | None, logprobs: str = "policy",
-                 server_url: str | None = None, old_logprobs: str = "auto"):  # no super(): it starts vLLM
+                 server_url: str | Sequence[str] | None = None, old_logprobs: str = "auto",
+                 pool=None):  # no super(): it starts vLLM
         if logprobs not in ("policy", "sampled"):
             raise ValueError(f"rollout_logprobs must be 'policy' or 'sampled', got {logprobs!r}")
         if old_logprobs not in OLD_LOGPROB_MODES:
@@ -92,12 +102,19 @@ class RolloutTRLGeneration(VLLMGeneration):
         self.share_weights = share_weights
         self.client = None
         self.generator = None
-        if server_url is not None:  # a `rollout serve` process owns the engine; we stream weights and prompts
-            from rollout.client import RolloutClient
+        if server_url is not None and pool is not None:
+            raise ValueError("pass rollout_server or rollout_pool, not both")
+        if share_weights and (server_url is not None or pool is not None):
+            raise ValueError("share_weights=True needs the engine in this process; drop rollout_server/rollout_pool")
+        if server_url is not None:  # `rollout serve` processes own the engines; we stream weights and prompts
+            from rollout.distributed.server_pool import RolloutServerPool
 
-            if share_weights:
-                raise ValueError("share_weights=True needs the engine in this process; drop rollout_server")
-            self.client = RolloutClient(server_url)
+            self.client = RolloutServerPool(server_url, seed=trainer.args.seed + trainer.accelerator.process_index)
+        elif pool is not None:  # a RolloutPool of this process: it generates and takes weights like a generator
+            if rollout_config is not None or dtype is not None:
+                raise ValueError("rollout_config and rollout_dtype configure an engine in this process; give them to "
+                                 "the RolloutPool when you build it")
+            self.generator = pool
         else:
             base = unwrap(trainer.model)
             if hasattr(base, "get_base_model") and not share_weights:
@@ -107,6 +124,10 @@ class RolloutTRLGeneration(VLLMGeneration):
                                               continuous_batching_config=config, share_weights=share_weights,
                                               dtype=dtype, seed=trainer.args.seed + trainer.accelerator.process_index)
         self.sampling_params = self._sampling_params(trainer)
+        local_only = [f for f in _LOCAL_ONLY_FIELDS if getattr(self.sampling_params, f) is not None]
+        if self.client is not None and local_only:
+            raise ValueError(f"generation_kwargs {local_only} need the engine in this process; drop them or drop "
+                             "rollout_server")
         self.last_sync_seconds: float | None = None
         self.last_batch: RolloutBatch | None = None
         self.old_logprobs_mode = old_logprobs
@@ -115,6 +136,9 @@ class RolloutTRLGeneration(VLLMGeneration):
         self._synced_version: int | None = None  # engine weight version right after it
         self._pending_old: PendingOldLogps | None = None
         self._last_decision: tuple[bool, str] | None = None
+        # TRL's tool loop continues the conversations it just generated: keep their KV (an engine in this process)
+        self.conversations = (ConversationKV(self.generator) if getattr(trainer, "tools", None)
+                              and isinstance(self.generator, RolloutGenerator) else None)
 
     @staticmethod
     def _sampling_params(trainer) -> SamplingParams:
@@ -123,16 +147,27 @@ class RolloutTRLGeneration(VLLMGeneration):
             top_k=trainer.top_k or 0, min_p=trainer.min_p or 0.0,
             repetition_penalty=trainer.repetition_penalty or 1.0, max_new_tokens=trainer.max_completion_length,
             eos_token_id=list(trainer.eos_token_ids), do_sample=True)
-        # vLLM-style generation_kwargs (max_tokens, stop, ...) through the one OpenAI/vLLM name mapping
-        return params.with_overrides(**sampling_overrides(trainer.args.generation_kwargs or {}))
+        # vLLM-style generation_kwargs (max_tokens, stop, logit_bias, structured_outputs, ...) through the one
+        # OpenAI/vLLM name mapping
+        kwargs = dict(trainer.args.generation_kwargs or {})
+        regex = getattr(trainer.args, "vllm_structured_outputs_regex", None)
+        if regex is not None:  # TRL's own option; it takes precedence over generation_kwargs, as in TRL
+            if any(k == "structured_outputs" or k in STRUCTURED_KWARGS for k in kwargs):
+                logger.warning("Both vllm_structured_outputs_regex and a structured output in generation_kwargs are "
+                               "set; vllm_structured_outputs_regex takes precedence.")
+            kwargs = {k: v for k, v in kwargs.items() if k != "structured_outputs" and k not in STRUCTURED_KWARGS}
+            kwargs["structured_outputs_regex"] = regex
+        return params.with_overrides(**sampling_overrides(kwargs))
 
     # ---------------------------------------------------------------- contract
     def sync_weights(self) -> None:
         start = time.perf_counter()
+        if self.conversations is not None:
+            self.conversations.release()  # a new step: no prompt continues the last step's conversations
         if self.client is not None:
             # Gathering is collective: every process walks the parameters, the main one streams them.
             if self.accelerator.is_main_process:
-                self.client.update_weights_from_model(self._iter_named_params())
+                self.client.update_weights(self._iter_named_params())
             else:
                 for _ in self._iter_named_params():
                     pass
@@ -164,24 +199,13 @@ class RolloutTRLGeneration(VLLMGeneration):
         return [s.prompt_ids for s in batch.samples], completion_ids, logprobs, token_ids
 
     def _generate_runs(self, runs: list[tuple[list[int], int]]) -> RolloutBatch:
-        if self.client is None:
-            return self.generator.generate([p for p, _ in runs], n=[k for _, k in runs],
-                                           sampling_params=self.sampling_params)
-        start = time.perf_counter()
-        fields = {k: v for k, v in vars(self.sampling_params).items()
-                  if v is not None and k in _REMOTE_FIELDS}
-        samples = []
-        for size in sorted({k for _, k in runs}):  # one request per group size (usually just one)
-            prompts = [p for p, k in runs if k == size]
-            samples += [(prompts[s["prompt_index"]], s) for s in self.client.generate(prompts, n=size, **fields)]
-        order = {tuple(p): i for i, (p, _) in enumerate(runs)}
-        samples.sort(key=lambda item: order[tuple(item[0])])
-        batch = RolloutBatch([RolloutSample(**{**s, "prompt_index": order[tuple(p)]}) for p, s in samples],
-                             group_sizes=[k for _, k in runs])
-        seconds = time.perf_counter() - start
-        generated = sum(len(s.completion_ids) for s in batch.samples)
-        batch.stats = {"seconds": seconds, "generated_tokens": generated, "tokens_per_second": generated / seconds,
-                       "weight_version": max((v for s in batch.samples for v in s.weight_versions), default=0)}
+        engine = self.client if self.client is not None else self.generator
+        prompts, sizes = [p for p, _ in runs], [k for _, k in runs]
+        if self.conversations is None:
+            return engine.generate(prompts, n=sizes, sampling_params=self.sampling_params)
+        batch = engine.generate(prompts, n=sizes, sampling_params=self.sampling_params, keep_kv=True,
+                                continues=self.conversations.continues(prompts))
+        self.conversations.remember(batch)
         return batch
 
     def _record_metrics(self, batch: RolloutBatch) -> None:
@@ -192,7 +216,8 @@ class RolloutTRLGeneration(VLLMGeneration):
     # ------------------------------------------------------------ old logprobs
     def _inexact_reason(self, trainer) -> str | None:
         """Why the engine's policy logprobs cannot stand in for TRL's recompute in this setup (None: they can)."""
-        engine_model = self.generator.model if self.generator is not None else None
+        engine_model = self.generator.model if isinstance(self.generator, RolloutGenerator) else self.generator
+        # (a RolloutPool stands in for its workers' model: it reports their dtype)
         return inexact_reason(trainer, self.sampling_params, engine_model, remote=self.client is not None)
 
     def _old_logprobs_decision(self, batch: RolloutBatch) -> tuple[bool, str]:
@@ -227,8 +252,10 @@ class _RolloutMixin:
     Extra arguments: `rollout_config` (ContinuousBatchingConfig), `share_weights` (generate from the trained module
     itself, zero copy), `rollout_dtype` (dtype of the private generation copy), `rollout_logprobs` ("policy": feed
     TRL's importance-sampling correction the full-vocabulary logprobs it recomputes, or "sampled"), `rollout_server`
-    (URL of a `rollout serve` process: generate there and stream weights to it instead of running an engine here),
-    `rollout_old_logprobs` (below).
+    (URL of a `rollout serve` process, or a list of URLs: generate there and stream weights to them instead of
+    running an engine here; several servers share the groups and take each update together, see
+    rollout.distributed.RolloutServerPool), `rollout_pool` (a rollout.distributed.RolloutPool of Ray workers, built by
+    this process: it generates and takes the weight syncs), `rollout_old_logprobs` (below).
 
     `rollout_old_logprobs` says where `old_per_token_logps` come from. TRL recomputes them with a forward pass over
     the generation batch right after generating (GRPO in vLLM mode, for its importance-sampling correction; RLOO
@@ -255,8 +282,8 @@ class _RolloutMixin:
 
     def __init__(self, *args, rollout_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
                  rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy",
-                 rollout_server: str | None = None, rollout_old_logprobs: str = "auto",
-                 rollout_trim_padding: bool | None = None, **kwargs):
+                 rollout_server: str | Sequence[str] | None = None, rollout_old_logprobs: str = "auto",
+                 rollout_trim_padding: bool | None = None, rollout_pool=None, **kwargs):
         config = kwargs.get("args")
         if config is not None and getattr(config, "use_vllm", False):
             raise ValueError("RolloutGRPOTrainer/RolloutRLOOTrainer generate with rollout's engine: set use_vllm=False "
@@ -267,7 +294,8 @@ class _RolloutMixin:
             raise ValueError(f"rollout_old_logprobs must be one of {OLD_LOGPROB_MODES}, got {rollout_old_logprobs!r}")
         super().__init__(*args, **kwargs)
         self.vllm_generation = RolloutTRLGeneration(self, rollout_config, share_weights, rollout_dtype,
-                                                    rollout_logprobs, rollout_server, rollout_old_logprobs)
+                                                    rollout_logprobs, rollout_server, rollout_old_logprobs,
+                                                    rollout_pool)
         self.use_vllm = True
         self.vllm_mode = "rollout"  # neither "server" nor "colocate": TRL's vLLM-specific branches stay off
         self._last_loaded_step = -1

@@ -17,6 +17,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,9 +27,14 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.engine.request import RequestStatus
 from rollout.engine.sequence_group import sequence_ids
 from rollout.manager import ContinuousBatchingManager, ManagerError
+from rollout.rl import scoring
+from rollout.rl.scoring import ScoreBatch
 from rollout.rl.weights import StagedPairs, WeightUpdateError, apply_staged, check_on_update, stage_update
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed
+
+if TYPE_CHECKING:
+    from rollout.rl.agents.episode import EpisodeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +49,13 @@ class RolloutSample:
     prompt_index: int
     prompt_ids: list[int]
     completion_ids: list[int]  # the stop token (eos / stop id) included when generation stopped on it
-    logprobs: list[float]  # under the truncated distribution actually sampled from
+    logprobs: list[float]  # under the distribution actually sampled from (after processors and truncation)
     policy_logprobs: list[float]  # fp32 log_softmax(logits / T) over the full vocabulary
-    kept_logmass: list[float]  # log of the mass truncation kept: logprobs = policy_logprobs - kept_logmass
+    kept_logmass: list[float]  # log of the mass masks and truncation kept: logprobs = policy_logprobs - kept_logmass
     weight_versions: list[int]  # weight version that produced each token
     finish_reason: str
     text: str | None = None
+    sequence_id: str | None = None  # the engine sequence: what `continues` names when its KV was kept (keep_kv)
 
 
 @dataclass
@@ -250,13 +257,19 @@ class RolloutGenerator:
         return prepared
 
     def submit(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
-               sampling_params: SamplingParams | None = None) -> list[tuple[int, list[int], list[str]]]:
+               sampling_params: SamplingParams | None = None, keep_kv: bool = False,
+               continues: Sequence[str | None] | None = None) -> list[tuple[int, list[int], list[str]]]:
         """Queue the prompts as n-sample groups; returns (prompt index, prompt ids, sequence ids) per prompt.
 
         `n` is one group size for all prompts or one per prompt. All prompts are checked first: if any is bad,
         ValueError names it and none is queued. Collect the results with `manager.get_result(sequence_id)`.
+        `keep_kv`: finished sequences keep their KV until `release_kv`; `continues[j]`: the kept sequence whose
+        tokens prompt j extends, so only its new tokens are prefilled (None: a fresh prompt).
         """
         params = sampling_params or SamplingParams()
+        if continues is not None and len(continues) != len(prompts):
+            raise ValueError(f"continues has {len(continues)} entries for {len(prompts)} prompts; pass one sequence "
+                             "id (or None) per prompt. Nothing was submitted")
         prepared = self._prepare(prompts, n, params)
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         self._calls += 1
@@ -267,8 +280,9 @@ class RolloutGenerator:
             for j, ids, size in prepared:
                 seed = derive_seed(base, j, SeedStream.PROMPT)
                 rid = f"rollout{self._calls}-{j}"
-                if self.manager.add_request(ids, request_id=rid,
-                                            sampling_params=params.with_overrides(n=size, seed=seed)) is None:
+                sampling = params.with_overrides(n=size, seed=seed)
+                if self.manager.add_request(ids, request_id=rid, sampling_params=sampling, keep_kv=keep_kv,
+                                            continues=continues[j] if continues else None) is None:
                     raise ManagerError("the generator's manager is stopped and dropped the request; call "
                                        "generator.manager.start() or create a new RolloutGenerator")
                 groups.append((j, ids, sequence_ids(rid, size)))
@@ -276,6 +290,10 @@ class RolloutGenerator:
             self._abandon([rid for _, _, seq_ids in groups for rid in seq_ids])
             raise
         return groups
+
+    def release_kv(self, sequence_ids_: Sequence[str]) -> int:
+        """Free the KV that `keep_kv` sequences still hold; returns how many held some."""
+        return sum(self.manager.release_kv(rid) for rid in sequence_ids_)
 
     def _abandon(self, sequence_ids_: Sequence[str]) -> None:
         """Cancel sequences nobody will collect (their call failed) and drop their results, so nothing is left
@@ -286,35 +304,38 @@ class RolloutGenerator:
                 self.manager.get_result(rid, timeout=0)
 
     def generate(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
-                 sampling_params: SamplingParams | None = None) -> RolloutBatch:
+                 sampling_params: SamplingParams | None = None, keep_kv: bool = False,
+                 continues: Sequence[str | None] | None = None) -> RolloutBatch:
         """n completions per prompt (or n[j] for prompt j), prompt-major.
 
         Raises ValueError before submitting anything if a prompt or setting is bad, and ValueError after the batch
         if a sample failed while running (e.g. it outgrew the KV cache). If the call is interrupted, what it
-        submitted is cancelled.
+        submitted is cancelled. `keep_kv` and `continues` carry conversations' KV across calls (see `submit`).
         """
         start = time.perf_counter()
         self._engine().reset_peak()
         before = self.manager.stats()
         samples, errors = [], []
-        groups = self.submit(prompts, n, sampling_params)
-        order = [(j, ids, rid) for j, ids, seq_ids in groups for rid in seq_ids]
-        collected = 0
-        try:
-            for j, ids, rid in order:
-                out = self.manager.get_result(rid)
-                collected += 1
-                if out.status == RequestStatus.FAILED:
-                    errors.append(f"prompt {j}: {out.error}")
-                samples.append(RolloutSample(
-                    prompt_index=j, prompt_ids=ids, completion_ids=out.generated_tokens, logprobs=out.logprobs,
-                    policy_logprobs=out.policy_logprobs, kept_logmass=out.kept_logmass,
-                    weight_versions=out.weight_versions, finish_reason=out.finish_reason or "",
-                    text=self.tokenizer.decode(out.generated_tokens, skip_special_tokens=True)
-                    if self.tokenizer is not None else None))
-        except BaseException:
-            self._abandon([rid for _, _, rid in order[collected:]])
-            raise
+        # This thread waits for the results anyway, so it steps the engine itself (see stepping_in_caller).
+        with self.manager.stepping_in_caller():
+            groups = self.submit(prompts, n, sampling_params, keep_kv, continues)
+            order = [(j, ids, rid) for j, ids, seq_ids in groups for rid in seq_ids]
+            collected = 0
+            try:
+                for j, ids, rid in order:
+                    out = self.manager.get_result(rid)
+                    collected += 1
+                    if out.status == RequestStatus.FAILED:
+                        errors.append(f"prompt {j}: {out.error}")
+                    samples.append(RolloutSample(
+                        prompt_index=j, prompt_ids=ids, completion_ids=out.generated_tokens, logprobs=out.logprobs,
+                        policy_logprobs=out.policy_logprobs, kept_logmass=out.kept_logmass,
+                        weight_versions=out.weight_versions, finish_reason=out.finish_reason or "",
+                        text=self.tokenizer.decode(out.generated_tokens, skip_special_tokens=True)
+                        if self.tokenizer is not None else None, sequence_id=rid))
+            except BaseException:
+                self._abandon([rid for _, _, rid in order[collected:]])
+                raise
         if errors:
             raise ValueError(f"{len(errors)} rollout sample(s) failed; first error: {errors[0]}")
         after = self.manager.stats()
@@ -322,6 +343,68 @@ class RolloutGenerator:
         stats = after.since(before).as_dict()  # this call's work; peak usage is over the call (reset above)
         stats.update(seconds=elapsed, tokens_per_second=stats["generated_tokens"] / max(elapsed, 1e-9))
         return RolloutBatch(samples=samples, group_sizes=[len(g[2]) for g in groups], stats=stats)
+
+    # ---------------------------------------------------------------- episodes
+    def run_episodes(self, prompts: Sequence[Prompt], env, n: int | Sequence[int] = 1,
+                     sampling_params: SamplingParams | None = None, max_turns: int = 8, max_length: int | None = None,
+                     env_timeout: float | None = 60.0, env_workers: int = 32,
+                     chat_template_kwargs: dict | None = None) -> EpisodeBatch:
+        """n multi-turn episodes per prompt against `env`, prompt-major (see rollout.rl.agents).
+
+        Each model turn samples under `sampling_params` (max_new_tokens: per turn); `env.step` answers each turn with
+        tokens to append, a reward and whether the episode is done. An episode ends when the environment says done,
+        after `max_turns` model turns, when no room is left under `max_length` tokens (default: the model's context),
+        or on an error. Environment calls run concurrently off this thread, each within `env_timeout` seconds, on up
+        to `env_workers` threads for sync methods; an environment error or timeout ends that episode alone
+        (finish_reason "error"). Raises ValueError before anything runs if a prompt or setting is bad.
+        """
+        from rollout.rl.agents.env_calls import EnvCalls
+        from rollout.rl.agents.episode import EpisodeBatch
+        from rollout.rl.agents.runner import EpisodeRunner, check_episode_settings
+
+        start = time.perf_counter()
+        params = sampling_params or SamplingParams()
+        engine = self._engine()
+        max_length = check_episode_settings(env, max_turns, max_length, engine.max_positions)
+        prepared = self._prepare(prompts, n, params)
+        too_long = [j for j, ids, _ in prepared if max_length is not None and len(ids) >= max_length]
+        if too_long:
+            raise ValueError(f"prompts {too_long[:_MAX_LISTED_PROBLEMS]} leave no room for a model turn under "
+                             f"max_length={max_length}; shorten them or raise max_length. Nothing was submitted")
+        base = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        self._calls += 1
+        if not self.manager.is_running():
+            self.manager.start()
+        engine.reset_peak()
+        before = self.manager.stats()
+        calls = EnvCalls(env_workers, env_timeout)
+        try:
+            runner = EpisodeRunner(self.manager, self.tokenizer, env, params,
+                                   engine.validate_sampling(params).max_new_tokens, max_turns, max_length, calls,
+                                   f"episodes{self._calls}", chat_template_kwargs)
+            episodes = runner.run(prepared, base)
+        finally:
+            calls.close()
+        elapsed = time.perf_counter() - start
+        stats = self.manager.stats().since(before).as_dict()
+        stats.update(seconds=elapsed, tokens_per_second=stats["generated_tokens"] / max(elapsed, 1e-9),
+                     env_seconds=runner.env_seconds, turns=sum(len(e.turns) for e in episodes),
+                     model_tokens=sum(map(sum, (e.completion_mask for e in episodes))),
+                     env_tokens=sum(len(e.completion_ids) - sum(e.completion_mask) for e in episodes))
+        return EpisodeBatch(episodes, [size for _, _, size in prepared], stats)
+
+    # ----------------------------------------------------------------- scoring
+    def score(self, prompts: Sequence[Prompt], completions: Sequence, temperature: float = 1.0,
+              top_logprobs: int = 0) -> ScoreBatch:
+        """Per-token logprobs of given completions under the current weights, by teacher forcing through the
+        engine's paged prefill (the prefix cache is shared with generation): reference or old-policy logprobs.
+
+        `completions[j]` (token ids, or text to tokenize without special tokens) follows `prompts[j]` (as in
+        `generate`); repeat a prompt to score several completions of it. `logprobs[t]` of a sample is fp32
+        log_softmax(logits / temperature) of completion token t; `top_logprobs=k` adds the k most likely tokens at
+        each position. Raises ValueError before submitting anything if a pair is bad (see rollout.rl.scoring).
+        """
+        return scoring.score(self, prompts, completions, temperature, top_logprobs)
 
     # ----------------------------------------------------------------- weights
     def update_weights(self, source, on_update: str = "keep") -> int:

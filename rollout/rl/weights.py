@@ -2,12 +2,14 @@
 
 Trainers hand weights over in many shapes: a module, a state dict, or a stream of `(name, tensor)` pairs yielded one
 at a time (TRL gathers ZeRO-3 / FSDP shards and merges PEFT adapters before yielding). Names may carry wrapper
-prefixes and PEFT suffixes; tied weights may come once. We validate everything first (names, shapes, finiteness) into
-a staging copy, and only then copy into the live parameters, so a bad stream never leaves a half-updated model.
+prefixes and PEFT suffixes; tied weights may come once. We validate everything first (names, shapes, dtypes,
+finiteness) into a staging copy, and only then copy into the live parameters, so a bad stream never leaves a
+half-updated model.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -72,12 +74,33 @@ def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _all_finite(value: torch.Tensor) -> bool:
-    """One pass, no mask allocation: min and max are finite (NaN propagates into both) iff every element is."""
-    if not value.is_floating_point() or value.numel() == 0:
+def _finite_within(value: torch.Tensor, bound: float) -> bool:
+    """Every element finite and within [-bound, bound]. One pass, no mask allocation: NaN propagates into min and max.
+    Only called on real floating tensors; 8-bit floats are widened first (torch has no aminmax for them)."""
+    if value.numel() == 0:
         return True
-    low, high = torch.aminmax(value)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    if value.element_size() < 2:
+        value = value.float()
+    low, high = (float(x) for x in torch.aminmax(value))
+    return math.isfinite(low) and math.isfinite(high) and -bound <= low and high <= bound
+
+
+def check_value(name: str, value: torch.Tensor, target: torch.Tensor) -> None:
+    """WeightUpdateError unless `value` can replace `target` as it is: a floating weight takes only real floating
+    values (an int, bool or complex tensor would be cast silently, and complex values escape the finiteness check),
+    finite and within the weight dtype's range (a float64 value that would overflow a float16 weight is refused
+    too); any other tensor (an integer buffer) takes only its own dtype."""
+    if not target.is_floating_point():
+        if value.dtype != target.dtype:
+            raise WeightUpdateError(f"dtype mismatch for {name!r}: got {value.dtype}, the generation model has "
+                                    f"{target.dtype}")
+        return
+    if not value.is_floating_point():
+        raise WeightUpdateError(f"{name!r} must be a real floating-point tensor (the generation model's is "
+                                f"{target.dtype}), got {value.dtype}; refusing the update")
+    if not _finite_within(value, torch.finfo(target.dtype).max):
+        raise WeightUpdateError(f"non-finite values (nan/inf, or beyond the range of {target.dtype}) in {name!r}; "
+                                "refusing the update")
 
 
 class StagedUpdate:
@@ -109,10 +132,9 @@ class StagedUpdate:
                 raise WeightUpdateError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, the generation "
                                         f"model has {tuple(target.shape)}")
             value = tensor.detach()
+            check_value(name, value, target)
             if transient:
                 value = value.to(device=target.device, dtype=target.dtype, copy=True)
-            if not _all_finite(value):
-                raise WeightUpdateError(f"non-finite values (nan/inf) in {name!r}; refusing the update")
             self._staged[target.data_ptr()] = (target, value)
 
     def pairs(self) -> StagedPairs:
@@ -146,20 +168,26 @@ def load_safetensors_bytes(body: bytes, what: str) -> dict[str, torch.Tensor]:
         raise WeightUpdateError(f"{what} is not a safetensors file: {err}") from err
 
 
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from a checkpoint directory's *.safetensors files (or one file), one tensor at a time."""
-    from safetensors import safe_open
-
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The *.safetensors files of a checkpoint directory (or the one file), or WeightUpdateError."""
     root = Path(path)
     if root.is_file() and root.suffix == ".safetensors":
-        files = [root]
-    elif root.is_dir():
-        files = sorted(root.glob("*.safetensors"))
-    else:
+        return [root]
+    if not root.is_dir():
         raise WeightUpdateError(f"{str(path)!r} is neither a directory nor a .safetensors file on the server")
+    files = sorted(root.glob("*.safetensors"))
     if not files:
         raise WeightUpdateError(f"no *.safetensors files in {str(path)!r} (save with save_pretrained(..., "
                                 "safe_serialization=True))")
+    return files
+
+
+def iter_safetensors(path: str | Path | list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a checkpoint directory's *.safetensors files (or one file, or a list of files from
+    `safetensors_files`), one tensor at a time."""
+    from safetensors import safe_open
+
+    files = path if isinstance(path, list) else safetensors_files(path)
     for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")

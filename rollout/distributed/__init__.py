@@ -1,0 +1,43 @@
+"""Scaling rollouts out: many engines behind the RolloutGenerator interface.
+
+`RolloutPool` runs RolloutWorkers as Ray actors (the `rollout[ray]` extra); `RolloutServerPool` spreads the same work
+over several `rollout serve` processes through `rollout.client` (the `rollout[serve]` extra). Both spread prompt
+groups by queued tokens, return results in input order, update weights on every engine or none, and re-run the
+groups of an engine that dies or hangs on the others. Names load on first use, so importing this package needs
+neither Ray nor httpx. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelSpec": "rollout.distributed.spec",
+    "ObjectStoreTransport": "rollout.distributed.broadcast",
+    "RolloutPool": "rollout.distributed.pool",
+    "RolloutServerPool": "rollout.distributed.server_pool",
+    "RolloutWorker": "rollout.distributed.worker",
+    "ServerLostError": "rollout.distributed.server_pool",
+    "WeightTransport": "rollout.distributed.broadcast",
+    "WorkersLostError": "rollout.distributed.pool",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollout.distributed' has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as err:
+        extra = "ray" if err.name == "ray" else "serve"
+        raise ImportError(f"rollout.distributed.{name} needs the {extra} extra: pip install 'rollout[{extra}]' "
+                          f"({err.name} is not installed)") from err
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,122 @@
+"""Weight broadcast to many engines: gather once, publish once, then validate everywhere before applying anywhere.
+
+One update reaches every worker or none. Phase one stages it on every worker (the same validation as an in-process
+`update_weights`: names, shapes, dtypes, finiteness) without touching live weights; only when every worker accepted
+does phase two commit it (the in-place copy and the version bump). A rejection anywhere drops what the others staged
+and raises one WeightUpdateError that names each refusing worker and its reason.
+
+How the tensors travel is a `WeightTransport`. The default puts them into the Ray object store once, as raw bytes
+(numpy arrays are zero-copy there), so each worker on a node maps the same shared memory and copies straight into its
+live parameters. For GPU workers an NCCL transport fits the same seam: see docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from rollout.rl.weights import WeightUpdateError, iter_named_tensors
+
+logger = logging.getLogger(__name__)
+
+Packed = dict[str, tuple[str, tuple[int, ...], np.ndarray]]  # name -> (torch dtype name, shape, raw bytes)
+
+
+def cpu_tensors(source, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """An update's (name, tensor) pairs as CPU tensors that own exactly their bytes, floating ones cast to `dtype`.
+
+    `source` is what `update_weights` takes. A module's or a mapping's tensors live through the whole call, so tied
+    weights (one storage) are given once. A stream may free or overwrite a tensor once the next one is asked for
+    (ZeRO-3 gathers), so each of its tensors is copied and none is skipped: a freed tensor's address can come back
+    for the next one, so addresses say nothing about ties there.
+    """
+    persistent = isinstance(source, (nn.Module, Mapping))
+    seen: set[tuple] = set()
+    for name, tensor in iter_named_tensors(source):
+        tensor = tensor.detach()
+        if persistent:
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                   tuple(tensor.stride()), tensor.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+        out = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        out = out.to("cpu").contiguous()
+        if (not persistent and out.data_ptr() == tensor.data_ptr()) or out.untyped_storage().nbytes() != out.nbytes:
+            out = out.clone()
+        yield name, out
+
+
+def collect_weights(source, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The whole update gathered once (see `cpu_tensors`), ready to publish."""
+    return dict(cpu_tensors(source, dtype))
+
+
+def pack(state: Mapping[str, torch.Tensor]) -> Packed:
+    """Tensors as raw byte arrays (any dtype, bfloat16 and float8 included), which the object store shares
+    without copying."""
+    packed: Packed = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        packed[name] = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), raw)
+    return packed
+
+
+def unpack(packed: Packed) -> dict[str, torch.Tensor]:
+    """The tensors of `pack`, as read-only views of the arrays (nothing is copied until the update is applied)."""
+    out = {}
+    with warnings.catch_warnings():  # the object store's arrays are read-only; we only ever read them
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        for name, (dtype, shape, raw) in packed.items():
+            if raw.size == 0:  # an empty array has no strides to view through
+                out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                continue
+            out[name] = torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+    return out
+
+
+class WeightTransport(Protocol):
+    """How an update's tensors get from the trainer to every worker; the pool calls, in this order:
+
+    `publish(state)` in the trainer's process, once per update: what each worker's `receive` is given (Ray resolves an
+    ObjectRef argument before the worker sees it); then every worker's `receive(payload)`, inside its staging call;
+    then `send(state)` in the trainer's process, once every worker has been asked to stage. A collective transport
+    (NCCL over a process group of the trainer and the workers: docs/scaling.md) publishes names, shapes and dtypes,
+    has each worker receive into GPU buffers, and broadcasts in `send`; validation and the two-phase commit stay as
+    they are.
+    """
+
+    def publish(self, state: dict[str, torch.Tensor]) -> Any: ...
+
+    def send(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def receive(self, payload: Any) -> Mapping[str, torch.Tensor]: ...
+
+
+class ObjectStoreTransport:
+    """The default: the update is put into the Ray object store once; every worker maps it and copies in place."""
+
+    def publish(self, state: dict[str, torch.Tensor]) -> Any:
+        import ray
+
+        return ray.put(pack(state))
+
+    def send(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing left to send: `publish` put everything into the object store."""
+
+    def receive(self, payload: Packed) -> Mapping[str, torch.Tensor]:
+        return unpack(payload)
+
+
+def rejection(problems: Mapping[str, str], version: int, total: int) -> WeightUpdateError:
+    """The one error of an update that some workers refused: who refused and why; nobody applied it."""
+    listed = "; ".join(f"{who}: {why}" for who, why in problems.items())
+    return WeightUpdateError(f"weight update rejected by {len(problems)} of {total} workers, so none applied it (all "
+                             f"stay at weight version {version}): {listed}")
