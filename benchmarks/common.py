@@ -72,6 +72,36 @@ def build_model(dtype: str | torch.dtype = "float32", attn_implementation: str =
     return model.to(dtype)
 
 
+def word_tokenizer(eos_id: int | None = None):
+    """Word-level tokenizer over the model's ids: id i <-> "t{i}" (id 0 is the pad token), plus "</s>" = `eos_id`
+    (default: one past the model's vocabulary, so a model can never sample it and every completion runs to its
+    length limit). Text prompts written as "t12 t7 ..." map back to exactly those ids in every system.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = MODEL_CONFIG["vocab_size"]
+    eos_id = vocab_size if eos_id is None else eos_id
+    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, vocab_size) if i != eos_id}, "</s>": eos_id}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
+def ids_as_text(ids) -> str:
+    """The text `word_tokenizer` encodes to exactly `ids`."""
+    return " ".join("<pad>" if t == 0 else f"t{t}" for t in ids)
+
+
+def save_w1_checkpoint(directory: Path, dtype: str = "float32") -> None:
+    """The W1 model and `word_tokenizer` as a checkpoint directory, for systems that load from disk (servers, vLLM).
+    EOS is outside the vocabulary, as in `build_model`'s generation config: completions run to their length limit."""
+    model = build_model(dtype)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(directory)
+    word_tokenizer().save_pretrained(directory)
+
+
 def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 

