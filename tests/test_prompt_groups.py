@@ -1,7 +1,6 @@
 """Identical prompts submitted as separate requests (TRL's repeated prompts, per-sample budgets) are prefilled once:
 later ones join the first while it is still queued, keep their own settings, and give what separate runs give."""
 
-import time
 
 from transformers import GenerationConfig
 
@@ -67,6 +66,27 @@ def test_cancelling_the_first_hands_the_group_to_the_next(qwen3):
     assert engine.stats().prefill_tokens == len(prompt), "the fourth joined the group the second took over"
 
 
+def _count_queue_scans(scheduler) -> dict:
+    """Make the scheduler's waiting/running queues count membership tests and removals (each a linear scan)."""
+    scans = {"count": 0}
+
+    def counting(base):
+        class Counting(base):
+            def __contains__(self, item):
+                scans["count"] += 1
+                return super().__contains__(item)
+
+            def remove(self, item):
+                scans["count"] += 1
+                return super().remove(item)
+
+        return Counting
+
+    scheduler.waiting = counting(type(scheduler.waiting))(scheduler.waiting)
+    scheduler.running = counting(type(scheduler.running))(scheduler.running)
+    return scans
+
+
 def test_cancelling_a_huge_group_costs_linear_time(qwen3):
     """Cancellation runs under the engine lock: a group of n sequences must leave in O(n), not O(n^2) (which at this
     size is minutes), and a second request sharing its prefill keeps running."""
@@ -75,9 +95,11 @@ def test_cancelling_a_huge_group_costs_linear_time(qwen3):
     (huge,) = {rid.split("#")[0] for rid in engine.add_request(prompt, "huge", SamplingParams(max_new_tokens=3,
                                                                                               n=10_000))}
     (joined,) = engine.add_request(prompt, "joined", SamplingParams(max_new_tokens=3))
-    start = time.perf_counter()
+    scans = _count_queue_scans(engine.scheduler)
     outs = engine.cancel(huge)
-    assert time.perf_counter() - start < 2.0
+    # O(n^2) cancellation is a queue scan per sequence (or a fork-set scan per sequence): a handful of scans for the
+    # whole group is O(n).
+    assert scans["count"] <= 8, f"{scans['count']} queue scans to cancel one group"
     assert len(outs) == 10_000 and all(o.finish_reason == "cancelled" for o in outs)
     engine.check_invariants()
     assert list(run_engine(engine)) == [joined]
