@@ -14,11 +14,13 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from rollout.engine.request import RequestOutput
+from rollout.engine.request import RequestOutput, RequestStatus
 from rollout.engine.sequence_group import sequence_ids
+from rollout.server.errors import OpenAIError, from_failed_output
 
 logger = logging.getLogger(__name__)
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response; nobody reads it
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there and it is not stalled
 LOGGED_IDS = 5  # request ids named in one log line (a request may have a thousand)
 
@@ -101,6 +103,18 @@ class RoutedRequest:
             self.close()
             raise
         return [self._finals[i] for i in range(self.num_choices)]
+
+    async def succeeded(self, response_id: str, disconnected: Callable[[], Awaitable[bool]]) -> list[RequestOutput]:
+        """`results()` for a non-streamed response: an OpenAIError (status 499) if the client left, the first failed
+        sequence's error if one failed."""
+        outputs = await self.results(disconnected)
+        if outputs is None:  # the client left; its sequences were cancelled
+            raise OpenAIError(f"client disconnected; request {response_id} was cancelled",
+                              status_code=CLIENT_CLOSED_REQUEST)
+        failed = next((out for out in outputs if out.status == RequestStatus.FAILED), None)
+        if failed is not None:
+            raise from_failed_output(failed)
+        return outputs
 
     # ------------------------------------------------------------ closing
     def _unfinished_requests(self) -> list[str]:

@@ -17,21 +17,19 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from rollout.engine.request import RequestStatus
 from rollout.rl.scoring import completion_logprobs, score_params
 from rollout.server.backend import ServerBackend
-from rollout.server.errors import OpenAIError, error_body, from_failed_output
+from rollout.server.errors import OpenAIError
 from rollout.server.jobs import JobBuilder
 from rollout.server.protocol import MAX_LOGPROBS, Finite, Text, Usage
 from rollout.server.rendering import json_float, json_floats
 from rollout.validation import MIN_TEMPERATURE, InvalidRequestError, check_fits, check_prompt
 
 SCORE_PATH = "/score_completions"
-_CLIENT_CLOSED_REQUEST = 499
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
@@ -107,13 +105,8 @@ class ScoreServing:
                                                                 body.top_logprobs)) for j in asked]
         outputs = []
         if submissions:
-            outputs = await self.backend.submit(response_id, submissions, streaming=False).results(disconnected)
-            if outputs is None:  # the client left; its requests were cancelled
-                return JSONResponse(error_body(f"client disconnected; request {response_id} was cancelled"),
-                                    status_code=_CLIENT_CLOSED_REQUEST)
-            failed = next((out for out in outputs if out.status == RequestStatus.FAILED), None)
-            if failed is not None:
-                raise from_failed_output(failed)
+            outputs = await self.backend.submit(response_id, submissions, streaming=False).succeeded(response_id,
+                                                                                                     disconnected)
         by_pair = dict(zip(asked, outputs))
         data = []
         for j, (prompt_ids, completion_ids) in enumerate(pairs):

@@ -13,13 +13,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from rollout.engine.request import RequestStatus
 from rollout.server.backend import ServerBackend
-from rollout.server.errors import error_body, from_failed_output
 from rollout.server.jobs import Job, JobBuilder
 from rollout.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from rollout.server.rendering import ResponseRenderer
@@ -28,7 +26,6 @@ from rollout.server.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response; nobody reads it
 
 
 def json_response(body: BaseModel, status_code: int = 200) -> Response:
@@ -64,13 +61,7 @@ class OpenAIServing:
         if stream:
             events = self.renderer.stream(job, routed, response_id, created, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        outputs = await routed.results(disconnected)
-        if outputs is None:  # the client left; its sequences were cancelled
-            return JSONResponse(error_body(f"client disconnected; request {response_id} was cancelled"),
-                                status_code=CLIENT_CLOSED_REQUEST)
-        failed = next((out for out in outputs if out.status == RequestStatus.FAILED), None)
-        if failed is not None:
-            raise from_failed_output(failed)
+        outputs = await routed.succeeded(response_id, disconnected)
         return json_response(self.renderer.response(job, outputs, response_id, created))
 
 
