@@ -6,8 +6,9 @@ does not pay for torch and transformers until something needs them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rollout import lazy_exports as _lazy
 
 __version__ = "0.1.0"
 
@@ -46,17 +47,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from rollout.validation import InvalidRequestError
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = _lazy.lazy_exports("rollout", _EXPORTS, globals())
 
 
 __all__ = sorted(_EXPORTS)

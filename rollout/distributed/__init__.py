@@ -9,8 +9,7 @@ neither Ray nor httpx. See docs/scaling.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rollout.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ModelSpec": "rollout.distributed.spec",
@@ -24,20 +23,13 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rollout.distributed' has no attribute {name!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ModuleNotFoundError as err:
-        extra = "ray" if err.name == "ray" else "serve"
-        raise ImportError(f"rollout.distributed.{name} needs the {extra} extra: pip install 'rollout[{extra}]' "
-                          f"({err.name} is not installed)") from err
+def _missing_extra(name: str, err: ModuleNotFoundError) -> ImportError:
+    extra = "ray" if err.name == "ray" else "serve"
+    return ImportError(f"rollout.distributed.{name} needs the {extra} extra: pip install 'rollout[{extra}]' "
+                       f"({err.name} is not installed)")
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports("rollout.distributed", _EXPORTS, globals(), _missing_extra)
 
 
 __all__ = sorted(_EXPORTS)

@@ -9,8 +9,7 @@ Names are imported on first use, so `rollout.server.cli` (the command's options)
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rollout.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "create_app": "rollout.server.app",
@@ -23,15 +22,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rollout.server' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports("rollout.server", _EXPORTS, globals())
 
 
 __all__ = ["OpenAIServing", "ServerBackend", "ServerSettings", "build_parser_args", "create_app", "load_model", "serve"]
