@@ -1,5 +1,8 @@
 """RL-layer costs on the W1 model: update_weights vs a plain in-place copy, and n=8 groups vs 8 separate prompts.
 
+A weight sync on CPU also costs the next forward the refresh of the oneDNN-packed linear weights (packed_linear.py):
+it is timed with the update ("+ next forward's repack", the whole sync) and alone.
+
     python benchmarks/rl_layer.py [--threads 2] [--repeats 5]
 
 Both comparisons run side by side in one process; read the ratios, not the absolute seconds.
@@ -15,6 +18,7 @@ import torch
 from common import build_model, build_w1, format_table
 
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams
+from rollout.engine.packed_linear import PackedLinears
 
 
 def _time_interleaved(fns: list, repeats: int) -> list[float]:
@@ -42,14 +46,35 @@ def weight_sync(gen: RolloutGenerator, trainer: torch.nn.Module, repeats: int) -
     def stream():
         return ((name, t.detach()) for name, t in trainer.named_parameters())
 
+    linears = gen.manager.engine.runner.linears
+
+    def repack():
+        """What the next forward pays for new weights: refreshing the packed copy of every linear weight it packs."""
+        if isinstance(linears, PackedLinears):
+            linears.prepare()
+
+    def synced():
+        gen.update_weights(trainer)
+        repack()
+
+    def repack_alone():
+        if isinstance(linears, PackedLinears):
+            linears.clear()  # what every weight update does
+        repack()
+
     bf16 = {k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()}
+    # the repacks get their own round and baseline, so that none of the updates above pays for freeing packed copies
     plain, module, streamed, converted = _time_interleaved(
         [plain_copy, lambda: gen.update_weights(trainer), lambda: gen.update_weights(stream()),
          lambda: gen.update_weights(bf16)], repeats)
+    plain2, sync, alone = _time_interleaved([plain_copy, synced, repack_alone], repeats)
     return [["plain in-place copy (no checks)", f"{plain * 1e3:.1f}", "1.00"],
             ["update_weights(module)", f"{module * 1e3:.1f}", f"{module / plain:.2f}"],
             ["update_weights(stream of pairs)", f"{streamed * 1e3:.1f}", f"{streamed / plain:.2f}"],
-            ["update_weights(bf16 state dict)", f"{converted * 1e3:.1f}", f"{converted / plain:.2f}"]]
+            ["update_weights(bf16 state dict)", f"{converted * 1e3:.1f}", f"{converted / plain:.2f}"],
+            ["plain in-place copy (baseline of the next two)", f"{plain2 * 1e3:.1f}", "1.00"],
+            ["update_weights(module) + next forward's repack", f"{sync * 1e3:.1f}", f"{sync / plain2:.2f}"],
+            ["  the repack alone", f"{alone * 1e3:.1f}", f"{alone / plain2:.2f}"]]
 
 
 def groups(gen: RolloutGenerator, repeats: int) -> list[list]:
@@ -76,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sync-only", action="store_true", help="time the weight sync only (not the n=8 groups)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     trainer = build_model()
@@ -84,6 +110,9 @@ def main() -> None:
     params = sum(p.numel() for p in trainer.parameters())
     print(f"W1 model: {params / 1e6:.1f}M parameters, {args.threads} threads\n")
     print(format_table(["weight sync", "ms (median)", "x plain copy"], weight_sync(gen, trainer, args.repeats)))
+    if args.sync_only:
+        gen.close()
+        return
     print()
     print(format_table(["8 samples of 8 prompts (64 new tokens each)", "s (median)", "prefill tokens",
                         "prefix-hit tokens", "time x groups"], groups(gen, max(1, args.repeats // 2))))

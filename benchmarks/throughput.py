@@ -9,6 +9,7 @@ wall time, peak RSS and the ratios to our engine.
     python benchmarks/throughput.py --systems engine,hf_cb --dtype bfloat16 --json
     python benchmarks/throughput.py --profile --scale 0.25   # where the engine spends its time
     python benchmarks/throughput.py --systems engine --baseline-tree /tmp/before --repeats 3   # before/after a change
+    python benchmarks/throughput.py --systems engine,engine_compiled --engine-compile-level 1 --repeats 3
 
 See benchmarks/README.md for what each system does and how to read the numbers.
 """
@@ -46,6 +47,7 @@ from benchmarks.common import (
 
 SYSTEMS = {
     "engine": "rollout.generate_batch, one input per sample (prefix cache shares full prompt blocks)",
+    "engine_compiled": "the engine system with its forward compiled (--engine-compile-level, default 1)",
     "engine_groups": "rollout LLMEngine, n=8 groups (prefill once, fork) with per-sample max_new_tokens patched in",
     "hf_cb": "transformers ContinuousBatchingManager (page 32, 256 batch tokens, 32 requests/batch)",
     "hf_generate": "transformers model.generate, static batches of 64 sorted by prompt length, left padding",
@@ -67,6 +69,9 @@ def engine_config(args):
         kwargs["max_requests_per_batch"] = args.engine_max_requests
     if args.engine_scheduler:
         kwargs["scheduler_type"] = args.engine_scheduler
+    if args.worker == "engine_compiled":
+        kwargs.update(default_compile_level=args.engine_compile_level, q_padding_interval_size=args.engine_q_padding,
+                      kv_padding_interval_size=args.engine_kv_padding)
     return ContinuousBatchingConfig(**kwargs)
 
 
@@ -123,6 +128,9 @@ def run_engine(model, work: Workload, args) -> dict:
     produced = [len(o.generated_tokens) for o in outs]
     errors = [o.error for o in outs if o.error]
     stats = capture.engine.stats().as_dict() if capture.engine is not None else {}
+    compiled = capture.engine.runner.compiled if capture.engine is not None else None
+    if compiled is not None:  # graphs compiled by this run's engine (a new engine per run: new dynamo caches)
+        stats.update(compiled_graphs=compiled.num_compiles, compile_backend_s=round(compiled.compile_seconds, 2))
     return dict(wall_s=wall, produced=produced, computed_tokens=sum(produced), errors=errors[:3],
                 num_errors=len(errors), engine_stats=stats)
 
@@ -280,7 +288,7 @@ def run_vllm(model, work: Workload, args) -> dict:
     return dict(wall_s=wall, produced=produced, computed_tokens=sum(produced), errors=[], num_errors=0)
 
 
-RUNNERS = {"engine": run_engine, "engine_groups": run_engine_groups, "hf_cb": run_hf_cb,
+RUNNERS = {"engine": run_engine, "engine_compiled": run_engine, "engine_groups": run_engine_groups, "hf_cb": run_hf_cb,
            "hf_generate": run_hf_generate, "vllm": run_vllm}
 
 
@@ -345,6 +353,9 @@ def child_argv(args, system: str, result_file: str) -> list[str]:
             "--generate-batch-size", str(args.generate_batch_size)]
     if args.engine_scheduler:
         argv += ["--engine-scheduler", args.engine_scheduler]
+    if system == "engine_compiled":  # only this checkout's script knows these
+        argv += ["--engine-compile-level", str(args.engine_compile_level), "--engine-q-padding",
+                 str(args.engine_q_padding), "--engine-kv-padding", str(args.engine_kv_padding)]
     if args.no_seed:
         argv.append("--no-seed")
     return argv
@@ -588,6 +599,11 @@ def parse_args(argv=None):
     g.add_argument("--engine-max-requests", type=int, default=0, help="0: the engine's default")
     g.add_argument("--engine-scheduler", default=None, choices=["fifo", "prefill_first"])
     g.add_argument("--no-seed", action="store_true", help="unseeded sampling (default: one seed per sequence)")
+    g.add_argument("--engine-compile-level", type=int, default=1, choices=[1, 2, 3],
+                   help="default_compile_level of the engine_compiled system (default 1)")
+    g.add_argument("--engine-q-padding", type=int, default=0,
+                   help="q_padding_interval_size of engine_compiled (0: none, 64 on a static path)")
+    g.add_argument("--engine-kv-padding", type=int, default=0, help="kv_padding_interval_size of engine_compiled")
     g = p.add_argument_group("transformers continuous batching")
     g.add_argument("--hf-cb-attn", default="sdpa", choices=["sdpa", "paged|eager"])
     g.add_argument("--hf-cb-page-size", type=int, default=32)

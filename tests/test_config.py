@@ -33,8 +33,8 @@ def test_bad_page_size(value):
 
 
 NON_DEFAULT = {
-    "use_cuda_graph": True, "use_async_batching": False, "default_compile_level": 2, "q_padding_interval_size": 64,
-    "kv_padding_interval_size": 64, "cpu_offload_space": 4.0, "cpu_offload_space_safety_threshold": 0.5,
+    "use_cuda_graph": True, "use_async_batching": False, "cpu_offload_space": 4.0,
+    "cpu_offload_space_safety_threshold": 0.5,
     "cpu_group_timeout": 10.0, "max_queue_size": 16, "max_blocks_per_request": 8, "per_request_processors": False,
 }
 
@@ -91,10 +91,10 @@ def test_safety_margin_defaults_per_scheduler():
 
 
 def test_max_batch_tokens_default_and_explicit():
-    """The inferred budget is 8192 (never below 256 when capped by memory); an explicit value is honoured as given,
-    so tiny budgets can force chunked prefill."""
+    """The inferred budget is 2048 on CPU (8192 on GPU, never below 256 when capped by memory); an explicit value is
+    honoured as given, so tiny budgets can force chunked prefill."""
     cpu = torch.device("cpu")
-    assert ContinuousBatchingConfig().resolve_batch_tokens(cpu) == 8192
+    assert ContinuousBatchingConfig().resolve_batch_tokens(cpu) == 2048
     assert ContinuousBatchingConfig(max_batch_tokens=16).resolve_batch_tokens(cpu) == 16
     assert ContinuousBatchingConfig(max_batch_tokens=1000).resolve_batch_tokens(cpu) == 1000
     with pytest.raises(ValueError, match="max_batch_tokens"):

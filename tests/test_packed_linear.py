@@ -1,20 +1,26 @@
 """The engine's oneDNN-packed linear weights never go stale: in-place training of a shared module and weight updates
-through the engine both reach the next forward; only the dtypes this CPU can pack are packed."""
+through the engine both reach the next forward, refreshed in the packed copy's own buffer byte for byte as a fresh pack
+would lay them out (or repacked where that layout could not be verified); only the dtypes this CPU can pack are
+packed."""
 
 import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
-from rollout.engine import packed_linear
+from rollout.engine import packed_layout, packed_linear
 from rollout.engine.cpu_features import cpu_features
-from rollout.engine.packed_linear import PackedLinears, packing_available
+from rollout.engine.packed_linear import PACK_BATCH_HINT, PackedLinears, packing_available
 from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
 
 # fp32 packs wherever torch has oneDNN (every x86-64 CPU); these tests exercise the packed copies themselves
 needs_fp32_packing = pytest.mark.skipif(not packing_available(torch.float32), reason="torch built without oneDNN")
+PACKABLE_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not packing_available(torch.bfloat16),
+    reason="oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT"))]
 
 NEW = 10
 
@@ -57,11 +63,17 @@ def test_a_write_through_data_and_a_version_bump_is_seen():
     prompt = random_prompts([15], seed=3)[0]
     engine = _engine(model)
     _assert_follows(engine, model, prompt)
+    packed = {key: entry.packed for key, entry in engine.runner.linears._packs.items()}
     with torch.no_grad():
         for p, q in zip(model.parameters(), other.parameters()):
             p.data.copy_(q)  # bumps no version counter
     engine.set_weight_version(1)
     _assert_follows(engine, other, prompt)
+    if all(packed_layout.layout_for(tuple(m.weight.shape), m.weight.dtype, PACK_BATCH_HINT) is not None
+           for m in model.modules() if isinstance(m, torch.nn.Linear)):
+        after = {key: entry.packed for key, entry in engine.runner.linears._packs.items()}
+        assert after.keys() == packed.keys() and all(after[k] is packed[k] for k in packed), \
+            "a weight update refreshes the packed copies in their own buffers"
 
 
 def _packed_count(engine) -> int | None:
@@ -78,8 +90,11 @@ def test_only_cpu_fp32_and_bf16_weights_are_packed(dtype):
     linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
     expected = len(linears) if cpu_features().packs(dtype) else 0
     assert _packed_count(engine) == (expected if packing_available() else None)
-    engine.runner.weights_changed()
-    assert not _packed_count(engine)
+    engine.runner.weights_changed()  # marks the copies stale (refreshed in place by the next forward), drops none
+    assert _packed_count(engine) == (expected if packing_available() else None)
+    if expected:
+        linears = engine.runner.linears
+        assert not any(entry.current(entry.ref(), linears._epoch) for entry in linears._packs.values())
 
 
 def test_asking_for_packing_without_onednn_is_a_clear_error(monkeypatch):
@@ -134,6 +149,161 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
         out = layer(x)
     assert torch.equal(first, out)
     assert out.shape == (1, rows, 80)
-    assert torch.allclose(out, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
+    assert torch.allclose(out, F.linear(x, layer.weight, layer.bias), atol=1e-5)
     assert len(linears._packs) == 1
     assert padded_rows(rows) >= rows and len({padded_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}) <= 20
+
+
+# --------------------------------------------------------------------------- in-place refresh after weight updates
+# shapes off oneDNN's block sizes (64 output rows; 16 or 32 input columns; bf16 pairs): padded tail blocks, odd widths
+ODD_SHAPES = [(80, 48), (100, 31), (33, 17), (7, 300), (65, 33), (130, 1), (1, 1)]
+
+
+def _buffer_bytes(packed: torch.Tensor) -> torch.Tensor:
+    return packed_layout.buffer_of(packed).view(torch.uint8).clone()
+
+
+def _fresh(layer: torch.nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a fresh PackedLinears gives for `x` with the layer's current weights, and its packed buffer's bytes."""
+    fresh = PackedLinears(layer, dtypes=frozenset({layer.weight.dtype}))
+    with torch.inference_mode(), fresh:
+        out = layer(x)
+    return out, _buffer_bytes(fresh._packs[id(layer.weight)].packed)
+
+
+def _packed_forward(linears: PackedLinears, layer: torch.nn.Linear, x: torch.Tensor):
+    with torch.inference_mode(), linears:
+        out = layer(x)
+    return out, linears._packs[id(layer.weight)].packed
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("dtype", PACKABLE_DTYPES)
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_weight_update_refreshes_the_packed_copy_in_place_as_a_fresh_pack_would(shape, dtype):
+    """After a write through .data + clear() (a weight update) and after an in-place optimizer-style write (bumps the
+    version counter), the packed forward equals a fresh pack of the new weights bit for bit, padding included, and the
+    copy keeps its buffer wherever the layout was verified (everywhere on x86-64)."""
+    out_features, in_features = shape
+    torch.manual_seed(out_features * 1000 + in_features)
+    layer = torch.nn.Linear(in_features, out_features).to(dtype)
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}))
+    x = torch.randn(2, 9, in_features).to(dtype)
+    first, packed = _packed_forward(linears, layer, x)
+    in_place = packed_layout.layout_for(shape, dtype, PACK_BATCH_HINT) is not None
+    if cpu_features().machine in ("x86_64", "AMD64"):
+        assert in_place, "oneDNN's packed layout is blocked on x86-64: the in-place refresh must be available"
+
+    with torch.no_grad():
+        layer.weight.data.copy_(torch.randn(shape).to(dtype))  # bumps no version counter
+    linears.clear()
+    out, now = _packed_forward(linears, layer, x)
+    expected, expected_bytes = _fresh(layer, x)
+    assert torch.equal(out, expected) and not torch.equal(out, first)
+    assert torch.equal(_buffer_bytes(now), expected_bytes)
+    assert (now is packed) == in_place
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(out.float(), F.linear(x, layer.weight, layer.bias).float(), atol=tol, rtol=tol)
+
+    with torch.no_grad():
+        layer.weight.mul_(-0.5)  # in place: bumps the version counter, no clear()
+    out, now = _packed_forward(linears, layer, x)
+    expected, expected_bytes = _fresh(layer, x)
+    assert torch.equal(out, expected) and torch.equal(_buffer_bytes(now), expected_bytes)
+    assert (now is packed) == in_place
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("dtype", PACKABLE_DTYPES)
+@pytest.mark.parametrize("strides", ["transposed", "row slice"])
+@pytest.mark.parametrize("shape", [(80, 48), (100, 31)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_strided_weight_is_refreshed_in_place_as_a_fresh_pack_would(shape, strides, dtype):
+    """Weights that are views (a transposed matrix, a slice of wider rows) take the element-wise strided copy (or the
+    wide one) instead of the channel_shuffle transpose: the same bytes."""
+    out_features, in_features = shape
+
+    def weight() -> torch.Tensor:
+        if strides == "transposed":
+            return torch.randn(in_features, out_features).to(dtype).t()
+        return torch.randn(out_features, in_features + 2).to(dtype)[:, 1:in_features + 1]
+
+    layer = torch.nn.Linear(in_features, out_features).to(dtype)
+    layer.weight = torch.nn.Parameter(weight(), requires_grad=False)
+    assert not layer.weight.is_contiguous()
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}))
+    x = torch.randn(7, in_features).to(dtype)
+    _, packed = _packed_forward(linears, layer, x)
+    layer.weight.data.copy_(weight())
+    linears.clear()
+    out, now = _packed_forward(linears, layer, x)
+    expected, expected_bytes = _fresh(layer, x)
+    assert torch.equal(out, expected) and torch.equal(_buffer_bytes(now), expected_bytes)
+    assert (now is packed) == (packed_layout.layout_for(shape, dtype, PACK_BATCH_HINT) is not None)
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("dtype", PACKABLE_DTYPES)
+def test_a_layout_that_fails_its_check_falls_back_to_a_full_repack(monkeypatch, dtype):
+    """Where the strided copy does not reproduce oneDNN's reorder (another oneDNN, another CPU), no layout is used:
+    every refresh repacks in full, with the same results."""
+    packed_layout.layout_for.cache_clear()
+    monkeypatch.setattr(packed_layout, "_verify", lambda *args, **kwargs: "forced mismatch")
+    try:
+        layer = torch.nn.Linear(31, 100).to(dtype)
+        linears = PackedLinears(layer, dtypes=frozenset({dtype}))
+        x = torch.randn(5, 31).to(dtype)
+        _, packed = _packed_forward(linears, layer, x)
+        with torch.no_grad():
+            layer.weight.data.copy_(torch.randn(100, 31).to(dtype))
+        linears.clear()
+        out, now = _packed_forward(linears, layer, x)
+        assert packed_layout.layout_for((100, 31), dtype, PACK_BATCH_HINT) is None
+        assert now is not packed, "without a verified layout the copy is repacked in full"
+        expected, expected_bytes = _fresh(layer, x)
+        assert torch.equal(out, expected) and torch.equal(_buffer_bytes(now), expected_bytes)
+    finally:
+        packed_layout.layout_for.cache_clear()  # later tests derive the real layouts again
+
+
+@needs_fp32_packing
+def test_a_layout_writes_only_into_a_buffer_of_its_own_layout():
+    """The descriptor check: a verified layout refuses a packed copy of another shape or dtype (nothing written)."""
+    layout = packed_layout.layout_for((100, 31), torch.float32, PACK_BATCH_HINT)
+    if layout is None:
+        pytest.skip("no verified layout on this CPU")
+    weight = torch.randn(100, 31)
+    other = torch.ops.mkldnn._reorder_linear_weight(torch.randn(100, 33), PACK_BATCH_HINT)
+    before = _buffer_bytes(other)
+    assert not layout.write(other, weight)
+    assert torch.equal(_buffer_bytes(other), before)
+    assert layout.buffer(other) is None
+    same = torch.ops.mkldnn._reorder_linear_weight(torch.randn(100, 31), PACK_BATCH_HINT)
+    assert layout.write(same, weight)
+    assert torch.equal(_buffer_bytes(same), _buffer_bytes(torch.ops.mkldnn._reorder_linear_weight(weight, 256)))
+
+
+@needs_fp32_packing
+def test_a_weight_update_drops_the_copies_of_weights_no_longer_in_the_model():
+    """Stale copies are kept for the next forward, but not for a weight the model no longer uses (it may live on
+    elsewhere, e.g. in a trainer); a freed weight frees its copy at once."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8))
+    linears = PackedLinears(model)
+    with torch.inference_mode(), linears:
+        model(torch.randn(3, 16))
+    assert len(linears._packs) == 2
+    old = model[1]
+    model[1] = torch.nn.Linear(24, 8)
+    linears.clear()
+    assert set(linears._packs) == {id(model[0].weight)}
+    with torch.inference_mode(), linears:
+        model(torch.randn(3, 16))
+    assert len(linears._packs) == 2
+    model[1] = old
+    linears.clear()
+    assert set(linears._packs) == {id(model[0].weight)}
+
+    weight = torch.randn(8, 16)  # the `linear` entry point (no module), then the weight is freed
+    out = linears.linear(torch.randn(3, 16), weight, None)
+    assert out.shape == (3, 8) and id(weight) in linears._packs
+    del weight
+    assert len(linears._packs) == 1

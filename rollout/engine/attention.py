@@ -10,6 +10,11 @@ each) are sorted by context length and attended in a few buckets, each against a
 attended alone with a causal offset mask. The cost grows with each request's own context, never with a dense
 block-diagonal mask over the whole batch. On CUDA with flash-attn installed,
 `flash_backend.py` provides the varlen and kv-cache kernels behind the same seam.
+
+Compiled forward (compiled_forward.py): the step's metadata arrives as tensors (`rollout_step`, a StepTensors) and
+each layer makes one call of the opaque custom op `rollout::paged_attention`, so dynamo traces the whole decoder into
+one graph with no break per layer and no guard on per-step Python objects. The op writes the K/V and attends with
+the C kernel, or with a per-row gather + SDPA when the kernel cannot serve the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -142,11 +148,91 @@ def _attend(q, k, v, mask, scaling, softcap, is_causal=False):
     return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
+class StepTensors(NamedTuple):
+    """The compiled forward's per-step attention metadata: tensors, plus two constants of the engine, so dynamo
+    guards on shapes alone. `keys`/`values` are the cache's per-layer lists (the same tensors every step)."""
+
+    slots: torch.Tensor  # [T] where each token's K/V is written
+    positions: torch.Tensor  # [T] each token's position in its row
+    token_rows: torch.Tensor  # [T] each token's row of `tables`
+    tables: torch.Tensor  # [R, max_blocks] block ids per row
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    page_size: int
+    use_kernel: bool  # the C kernel attends; False: per-row gathers + SDPA
+
+
+@torch.library.custom_op("rollout::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
+                       tables: torch.Tensor, page_size: int, scale: float, window: int, softcap: float,
+                       use_kernel: bool) -> torch.Tensor:
+    """Write the step's K/V at `slots`, then attend every token over its row's pages: query `[1, H, T, D]`,
+    key/value `[1, KVH, T, D]`, caches `[slots, KVH, D]`; returns `[T, H, D]`. `window` 0: none; `softcap` 0: none."""
+    k_cache.index_copy_(0, slots, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    q = query[0].transpose(0, 1)
+    if use_kernel:
+        out = paged_attention(q, k_cache, v_cache, KernelBatch(positions, token_rows, tables), page_size, scale,
+                              window or None, softcap or None)
+    else:
+        out = _rows_attention(q, k_cache, v_cache, positions, token_rows, tables, page_size, scale, window or None,
+                              softcap or None)
+    return out.to(query.dtype)
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, k_cache, v_cache, slots, positions, token_rows, tables, page_size, scale, window, softcap,
+      use_kernel):
+    return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+
+
+def _rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                    token_rows: torch.Tensor, tables: torch.Tensor, page_size: int, scale: float, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """The op without the C kernel: each row's tokens (contiguous in the packed batch) attend over a gather of the
+    row's pages, masked by position. q `[T, H, D]`; returns `[T, H, D]`."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_pages = k_cache.view(-1, page_size, *k_cache.shape[1:])
+    v_pages = v_cache.view(-1, page_size, *v_cache.shape[1:])
+    counts = torch.bincount(token_rows, minlength=tables.shape[0]).tolist()
+    start = 0
+    for row, count in enumerate(counts):
+        if not count:
+            continue
+        end = start + count
+        pos = positions[start:end]
+        ctx = int(pos.max()) + 1
+        blocks = tables[row, :-(-ctx // page_size)]
+        k = _gather(k_pages, blocks, 1, ctx, None, 0).to(q.dtype)
+        v = _gather(v_pages, blocks, 1, ctx, None, 1).to(q.dtype)
+        mask = _positions_mask(pos[:, None], torch.arange(ctx, device=q.device)[None, :], window)
+        o = _attend(q[start:end].transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out
+
+
+def _compiled_step_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             scaling: float | None, step: StepTensors, kwargs: dict) -> torch.Tensor:
+    """The layer's attention on the compiled path: one opaque op call, `[1, T, H, D]`."""
+    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.rollout.paged_attention(query, key, value, step.keys[layer], step.values[layer], step.slots,
+                                            step.positions, step.token_rows, step.tables, step.page_size,
+                                            float(scale), int(kwargs.get("sliding_window") or 0),
+                                            float(kwargs.get("softcap") or 0.0), step.use_kernel)
+    return out.unsqueeze(0)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: writes this step's K/V into the paged cache, then attends per request.
 
     query `[1, H, T, D]`, key/value `[1, KVH, T, D]` for the packed batch; returns `[1, T, H, D]`.
     """
+    step: StepTensors | None = kwargs.get("rollout_step")
+    if step is not None:
+        return _compiled_step_attention(module, query, key, value, scaling, step, kwargs), None
     batch: AttentionBatch | None = kwargs.get("rollout_batch")
     if batch is None:
         raise RuntimeError("rollout's paged attention was called outside an engine forward (no `rollout_batch`).")
@@ -168,8 +254,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                               window, softcap)
         return out.to(query.dtype).unsqueeze(0), None
 
-    k_pages = k_cache.view(cache.num_blocks, cache.page_size, *k_cache.shape[1:])
-    v_pages = v_cache.view(cache.num_blocks, cache.page_size, *v_cache.shape[1:])
+    k_pages = k_cache.view(-1, cache.page_size, *k_cache.shape[1:])
+    v_pages = v_cache.view(-1, cache.page_size, *v_cache.shape[1:])
     q_all = query[0]  # [H, T, D]
     out = torch.empty(q_all.shape[1], q_all.shape[0], q_all.shape[2], dtype=query.dtype, device=query.device)
     for bucket in batch.decode:

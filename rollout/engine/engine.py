@@ -14,6 +14,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from rollout.config import DEFAULT_MAX_REQUESTS, ContinuousBatchingConfig
 from rollout.engine import prompt_logprobs
 from rollout.engine.block_pool import BlockPool
+from rollout.engine.compiled_forward import build_compiled_forward
 from rollout.engine.core_budget import CoreBudget
 from rollout.engine.kv_cache import KVShape, PagedKVCache
 from rollout.engine.model_runner import ModelRunner
@@ -76,16 +77,19 @@ class LLMEngine:
         page = self.config.page_size
         num_blocks = self.config.resolve_num_blocks(shape.bytes_per_token(dtype) * page, device, tokens_hint)
         self.sliding_window = uses_sliding_window(model.config)
-        self.cache = PagedKVCache(shape, num_blocks, page, dtype, device)
+        batch_tokens = self.config.resolve_batch_tokens(device)
+        max_requests = self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS
+        compiled = build_compiled_forward(self.config, device, batch_tokens)
+        self.cache = PagedKVCache(shape, num_blocks, page, dtype, device, scratch_page=compiled is not None)
         self.pool = BlockPool(num_blocks, enable_prefix_cache=self.config.allow_block_sharing
                               and not self.sliding_window)
         self.scheduler = Scheduler(
-            self.pool, page, self.config.resolve_batch_tokens(device),
-            self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS,
+            self.pool, page, batch_tokens, max_requests,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin,
             stop=StopChecker(self.max_positions, tokenizer), copy_block=self.cache.copy_block,
             share_prefills=self.config.allow_block_sharing)
-        self.runner = ModelRunner(model, self.cache, self.config.prepack_weights, self.config.cpu_attention_kernel)
+        self.runner = ModelRunner(model, self.cache, self.config.prepack_weights, self.config.cpu_attention_kernel,
+                                  compiled)
         self.runner.check_attention()  # UnsupportedModelError now, not a failed forward per request later
         self.sampler = Sampler(self.config.seed)
         use_budget = self.config.cpu_threads is not None and device.type == "cpu"

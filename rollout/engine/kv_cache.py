@@ -43,13 +43,16 @@ class PagedKVCache:
     """K and V storage for every layer, allocated once and never reallocated (weight updates keep it in place)."""
 
     def __init__(self, shape: KVShape, num_blocks: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, scratch_page: bool = False) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.dtype = dtype
         self.device = device
-        slots = num_blocks * page_size
+        # scratch_page: one more page after the blocks, never handed out by the pool: the compiled forward's padding
+        # tokens write their K/V there (compiled_forward.py)
+        self.scratch_block = num_blocks if scratch_page else None
+        slots = (num_blocks + scratch_page) * page_size
         self.keys = [torch.empty(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
                      for _ in range(shape.num_layers)]
         self.values = [torch.empty_like(k) for k in self.keys]
@@ -62,7 +65,7 @@ class PagedKVCache:
             return
         fresh = fresh.unique()
         for cache in self.keys + self.values:
-            cache.view(self.num_blocks, self.page_size, *cache.shape[1:]).index_fill_(0, fresh.to(cache.device), 0)
+            cache.view(-1, self.page_size, *cache.shape[1:]).index_fill_(0, fresh.to(cache.device), 0)
         self._ready[fresh] = True
 
     @property

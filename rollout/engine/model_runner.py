@@ -1,4 +1,7 @@
-"""Turns a StepPlan into tensors, runs one packed forward with the engine's attention, returns sampled-row logits."""
+"""Turns a StepPlan into tensors, runs one packed forward with the engine's attention, returns sampled-row logits.
+
+The forward runs eagerly, or through the compiled callables of compiled_forward.py (default_compile_level > 0), which
+take the same step as padded tensors (`build_step`)."""
 
 from __future__ import annotations
 
@@ -9,11 +12,20 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from rollout.engine.attention import AttentionBatch, DecodeBucket, GatherScratch, PrefillSegment, engine_attention
+from rollout.engine.attention import (
+    AttentionBatch,
+    DecodeBucket,
+    GatherScratch,
+    PrefillSegment,
+    StepTensors,
+    engine_attention,
+)
+from rollout.engine.compiled_forward import MIN_DIM, CompiledForward, CompiledPath, pad_to
 from rollout.engine.cpu_kernel import KernelBatch, kernel_usable
 from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.packed_linear import PackedLinears, packing_available, require_packing
+from rollout.engine.packed_linear_op import active_linears
 from rollout.engine.request import Request
 from rollout.engine.step import StepPlan
 from rollout.sampling_params import resolve_sampling
@@ -70,7 +82,7 @@ class ModelRunner:
     """Owns nothing but the forward: the model is whatever module it was given (possibly the trainer's own)."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, prepack_weights: bool | None = None,
-                 attention_kernel: bool | None = None) -> None:
+                 attention_kernel: bool | None = None, compiled: CompiledForward | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -89,6 +101,11 @@ class ModelRunner:
         elif prepack_weights:
             require_packing(model)  # ValueError naming what this torch build / CPU cannot pack
         self.linears = PackedLinears(model) if prepack_weights else contextlib.nullcontext()
+        self.compiled = compiled  # None: every step eager
+        if compiled is not None:
+            if cache.scratch_block is None:
+                raise ValueError("the compiled forward needs a cache with a scratch page for its padding tokens")
+            compiled.prepare_cache(cache.keys + cache.values)
 
     def check_attention(self) -> None:
         """Raise UnsupportedModelError unless every layer's attention runs through the engine's paged function.
@@ -133,15 +150,30 @@ class ModelRunner:
         if isinstance(self.linears, PackedLinears):
             self.linears.clear()
 
-    def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
-        """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
-        dev, page = self.device, self.page_size
+    def _layout(self, plan: StepPlan) -> tuple[torch.Tensor, ...]:
+        """Per entry: query lengths, start positions, packed offsets; per token: entry (row) and position."""
         query_lens = torch.tensor(plan.query_lens, dtype=torch.long)
         starts = torch.tensor(plan.start_positions, dtype=torch.long)
-        ends = starts + query_lens
         offsets = torch.cumsum(query_lens, 0) - query_lens  # packed index of each entry's first token
         row_of_token = torch.repeat_interleave(torch.arange(len(plan)), query_lens)
         positions = torch.arange(plan.num_tokens) - offsets[row_of_token] + starts[row_of_token]
+        return query_lens, starts, offsets, row_of_token, positions
+
+    @staticmethod
+    def _keep(plan: StepPlan, query_lens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Packed indices whose logits are needed: each sampling entry's last token, then the prompt_rows."""
+        sample_rows = torch.tensor(plan.sample_rows, dtype=torch.long)
+        keep = offsets[sample_rows] + query_lens[sample_rows] - 1
+        if plan.prompt_rows:  # then the rows prompt logprobs need, in plan.prompt_rows order
+            keep = torch.cat([keep, *(torch.arange(count) + int(offsets[entry]) + first - plan.start_positions[entry]
+                                      for entry, first, count in plan.prompt_rows)])
+        return keep
+
+    def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
+        """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
+        dev, page = self.device, self.page_size
+        query_lens, starts, offsets, row_of_token, positions = self._layout(plan)
+        ends = starts + query_lens
 
         max_blocks = max(len(t) for t in plan.block_tables)
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in plan.block_tables], dtype=torch.long)
@@ -157,18 +189,52 @@ class ModelRunner:
         else:
             self._add_sdpa_metadata(batch, tables, query_lens, ends, offsets)
 
-        sample_rows = torch.tensor(plan.sample_rows, dtype=torch.long)
-        keep = offsets[sample_rows] + query_lens[sample_rows] - 1
-        if plan.prompt_rows:  # then the rows prompt logprobs need, in plan.prompt_rows order
-            keep = torch.cat([keep, *(torch.arange(count) + int(offsets[entry]) + first - plan.start_positions[entry]
-                                      for entry, first, count in plan.prompt_rows)])
-        keep = keep.to(dev)
+        keep = self._keep(plan, query_lens, offsets).to(dev)
         inputs = {
             "input_ids": torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None],
             "position_ids": positions.to(dev)[None],
             "rollout_batch": batch,
         }
         return inputs, keep
+
+    def build_step(self, plan: StepPlan, path: CompiledPath) -> tuple[dict, int]:
+        """Inputs of a compiled forward, padded so shapes repeat, and how many of its logit rows are real.
+
+        The T tokens are padded to `pad_to(T, q interval)` with tokens of one extra table row whose only block is the
+        cache's scratch page (position 0, slot = the scratch page's first): they write their K/V where no request
+        reads and attend only to that key, so they never touch a real token's result. The kept rows (a dynamic dim
+        at every level) are padded to MIN_DIM with repeats, and the tables to MIN_DIM rows and the kv padding width.
+        """
+        dev, page = self.device, self.page_size
+        query_lens, _, offsets, row_of_token, positions = self._layout(plan)
+        tokens = plan.num_tokens
+        padded = pad_to(tokens, path.q_interval)
+        width = self.compiled.table_width(max(len(t) for t in plan.block_tables), page)
+        rows = [t + [0] * (width - len(t)) for t in plan.block_tables]
+        token_ids = plan.token_ids
+        if padded > tokens:
+            row_of_token = torch.cat([row_of_token, torch.full((padded - tokens,), len(rows), dtype=torch.long)])
+            positions = torch.cat([positions, torch.zeros(padded - tokens, dtype=torch.long)])
+            rows.append([self.cache.scratch_block] + [0] * (width - 1))
+            token_ids = token_ids + [0] * (padded - tokens)
+        rows += [[0] * width] * max(MIN_DIM - len(rows), 0)  # rows no token uses
+        tables = torch.tensor(rows, dtype=torch.long)
+        slots = tables[row_of_token, positions // page] * page + positions % page
+
+        keep = self._keep(plan, query_lens, offsets)
+        count = len(keep)
+        extra = pad_to(count, 0) - count
+        if extra:
+            keep = torch.cat([keep, keep[-1:].expand(extra) if count else torch.zeros(extra, dtype=torch.long)])
+        step = StepTensors(slots.to(dev), positions.to(dev), row_of_token.to(dev), tables.to(dev), self.cache.keys,
+                           self.cache.values, page, self.use_kernel)
+        inputs = {
+            "input_ids": torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
+            "position_ids": positions.to(dev)[None],
+            "keep": keep.to(dev),
+            "step": step,
+        }
+        return inputs, count
 
     def _add_sdpa_metadata(self, batch: AttentionBatch, tables: torch.Tensor, query_lens: torch.Tensor,
                            ends: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -197,7 +263,30 @@ class ModelRunner:
         prompt_logprobs.py convert what they use to fp32 in slices, so a long prefill chunk never holds its whole
         `[tokens, vocab]` block twice).
         """
-        inputs, keep = self.build_batch(plan)
-        with engine_attention(self.model), eval_mode(self.model), self.linears:
-            out = self.model(**inputs, logits_to_keep=keep, use_cache=False)
-        return out.logits[0] if plan.prompt_rows else out.logits[0].float()
+        logits = None
+        if self.compiled is not None:
+            logits = self._run_compiled(plan)
+        if logits is None:
+            inputs, keep = self.build_batch(plan)
+            with engine_attention(self.model), eval_mode(self.model), self.linears:
+                logits = self.model(**inputs, logits_to_keep=keep, use_cache=False).logits[0]
+        return logits if plan.prompt_rows else logits.float()
+
+    def _run_compiled(self, plan: StepPlan) -> torch.Tensor | None:
+        """The step through its compiled callable; None when its kind of step runs eagerly. A callable that fails to
+        compile (dynamo or the backend raised before anything ran) is dropped with the error logged, and the engine
+        serves that kind of step eagerly from then on instead of failing every request."""
+        decode = all(n == 1 for n in plan.query_lens)
+        path = self.compiled.path_for(decode)
+        if path is None:
+            return None
+        inputs, count = self.build_step(plan, path)
+        packed = self.linears if isinstance(self.linears, PackedLinears) else None
+        try:
+            with engine_attention(self.model), eval_mode(self.model), active_linears(packed):
+                return self.compiled(path, self.model, **inputs)[0, :count]
+        except torch._dynamo.exc.TorchDynamoException:
+            logger.exception("compiling the forward of %s failed (%s); those steps run eagerly from now on",
+                             type(self.model).__name__, path.config)
+            self.compiled.drop(path)
+            return None

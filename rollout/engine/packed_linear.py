@@ -11,9 +11,12 @@ How, without changing the model: around the engine's forward only, each plain `n
 of the engine's forward, so a trainer running the same module concurrently keeps `F.linear` (and its autograd).
 A TorchFunctionMode would do the same without touching instances, but it taxes every op of the forward (about 8% of a
 W1 run). Copies are keyed by the weight tensor and its version counter, so an optimizer step on a shared module
-(in-place writes bump the counter) repacks it on the next forward; writes through `.data` do not bump it, so every
-weight update through the engine (`set_weight_version`, which `update_weights` calls) drops all copies. The cost is
-one extra copy of the linear weights in RAM.
+(in-place writes bump the counter) refreshes it on the next forward; writes through `.data` do not bump it, so every
+weight update through the engine (`set_weight_version`, which `update_weights` calls) marks all copies stale. A stale
+copy is refreshed in place, in its existing buffer, by strided copies along the layout packed_layout.py derived and
+verified for its shape and dtype (for W1 in fp32: 7.3 ms instead of 49 ms for a full repack, see benchmarks/RESULTS.md);
+where no layout could be verified it is repacked in full. A freed weight frees its copy, and a weight update drops
+the copies of weights no longer in the model. The cost is one extra copy of the linear weights in RAM.
 
 Which dtypes: decided once per process by cpu_features.py, which packs a small weight of each dtype and checks the
 result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
@@ -25,10 +28,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from rollout.engine import packed_layout
 from rollout.engine.cpu_features import cpu_features
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
@@ -78,6 +83,45 @@ def require_packing(model: torch.nn.Module) -> None:
                          f"CPU supports ({dtype} linears then run on F.linear), or set it to False")
 
 
+@dataclass
+class _Pack:
+    """The packed copy of one weight and what it was packed from."""
+
+    ref: weakref.ref  # the weight (its death drops this entry)
+    data_ptr: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    version: int  # the weight's version counter when packed
+    epoch: int  # PackedLinears._epoch when packed (clear() bumps it: writes through .data bump no version)
+    packed: torch.Tensor
+    # once refreshed in place: the verified layout of `packed` and its memory as a flat tensor (an alias of it)
+    layout: packed_layout.BlockedLayout | None = None
+    buffer: torch.Tensor | None = None
+
+    def current(self, weight: torch.Tensor, epoch: int) -> bool:
+        return self.version == weight._version and self.epoch == epoch
+
+    def same_tensor(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is the tensor packed, with the same storage, shape and dtype (its values may differ)."""
+        return self.ref() is weight and self.data_ptr == weight.data_ptr() and self.shape == tuple(weight.shape) \
+            and self.dtype == weight.dtype
+
+    def refresh_in_place(self, weight: torch.Tensor) -> bool:
+        """Write the new values of `weight` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
+        them out; False, with nothing written, where no verified layout fits (the caller then repacks in full)."""
+        if self.buffer is None:
+            layout = packed_layout.layout_for(self.shape, self.dtype, PACK_BATCH_HINT) if len(self.shape) == 2 \
+                else None
+            buffer = layout.buffer(self.packed) if layout is not None else None
+            if buffer is None:
+                return False
+            self.layout, self.buffer = layout, buffer
+        with torch.no_grad():
+            self.layout.write_flat(self.buffer, weight.detach())
+        self.version = weight._version
+        return True
+
+
 class PackedLinears:
     """Context manager around the engine's forward: plain fp32/bf16 CPU `nn.Linear`s of `model` run on packed
     weights."""
@@ -86,28 +130,48 @@ class PackedLinears:
         self.model = model
         # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu_features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
-        # id(weight) -> (weakref to the weight, data_ptr, version, packed copy)
-        self._packs: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+        self._packs: dict[int, _Pack] = {}  # by id(weight)
+        self._epoch = 0
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
         self._pads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._packs.get(id(weight))
-        if entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr() \
-                and entry[2] == weight._version:
-            return entry[3]
+        if entry is not None and entry.same_tensor(weight):
+            if entry.current(weight, self._epoch):
+                return entry.packed
+            if entry.refresh_in_place(weight):
+                entry.epoch = self._epoch
+                return entry.packed
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         key, packs = id(weight), self._packs
         ref = weakref.ref(weight, lambda _: packs.pop(key, None))  # a freed weight frees its packed copy
-        packs[key] = (ref, weight.data_ptr(), weight._version, packed)
+        packs[key] = _Pack(ref, weight.data_ptr(), tuple(weight.shape), weight.dtype, weight._version, self._epoch,
+                           packed)
         return packed
 
     def clear(self) -> None:
-        """Drop every packed copy and forget the module list (the next forward repacks what it uses)."""
-        self._packs.clear()
+        """New weights are in place (writes through `.data` bump no version counter): mark every packed copy stale
+        (the next forward refreshes those it uses, in place), drop the copies of weights no longer in the model,
+        and forget the module list."""
+        self._epoch += 1
         self._pads.clear()
         self._overrides = None
+        live = {id(module.weight) for module, _ in self._targets()}
+        for key in [key for key in self._packs if key not in live]:
+            del self._packs[key]
+
+    def prepare(self) -> None:
+        """Pack (or refresh) now every weight the next forward would pack, so that forward pays nothing for it."""
+        with torch.no_grad():
+            for module, _ in self._targets():
+                weight = module.weight
+                if self._packable(weight):
+                    self._packed(weight)
+
+    def _packable(self, weight: torch.Tensor) -> bool:
+        return weight.dtype in self.dtypes and weight.device.type == "cpu" and weight.layout == torch.strided
 
     def _pad_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable input buffer per bucket. Its tail rows hold whatever earlier calls left: matmul rows are
@@ -141,8 +205,7 @@ class PackedLinears:
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
             if getattr(this._active, "on", False) and x.numel() and x.dtype == weight.dtype \
-                    and weight.dtype in this.dtypes and weight.device.type == "cpu" \
-                    and weight.layout == torch.strided:
+                    and this._packable(weight):
                 return this.linear(x, weight, module.bias)
             return F.linear(x, weight, module.bias)
         return forward

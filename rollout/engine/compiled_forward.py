@@ -1,0 +1,262 @@
+"""torch.compile of the engine's forward: `ContinuousBatchingConfig.default_compile_level` 1-3 and the padding that
+lets shapes repeat.
+
+Levels (as in transformers' continuous batching): 0 eager (the default); 1 inductor mode "default" with dynamic
+shapes; 2 "max-autotune-no-cudagraphs", dynamic; 3 "max-autotune-no-cudagraphs" with static token counts, which relies
+on query padding (`q_padding_interval_size`, 64 when left 0) so the same few shapes come back. `varlen_compile_config`
+(mixed and prefill steps) and `decode_compile_config` (steps whose rows all run one token) override the level per
+kind of step (dicts of torch.compile keywords: mode, dynamic, fullgraph, options, backend); a kind with no config
+runs eagerly. Equal configs share one callable: a separate decode graph bought nothing measurable here (below) and
+costs a second trace. Compiled callables are per process and config, shared by every engine (`generate_batch` builds
+one per call): a new engine over the same model class reuses the graphs, with its own weights and cache as inputs.
+
+What is traced: the unmodified transformers model, called with tensors only. The step's attention metadata arrives
+as a StepTensors (attention.py) and every layer makes one call of the opaque op `rollout::paged_attention`; the
+backend rewrites every `F.linear` into `rollout::packed_linear` (packed_linear_op.py), so the oneDNN-packed matmuls
+survive and inductor fuses the RMSNorm, RoPE, SiLU*mul and residual adds between them. For Qwen3 and Llama that is
+one graph per shape bucket with no graph break, and no guard on a per-step Python object. Weights stay graph inputs
+(no `freezing`): a weight update in place needs no recompilation.
+
+Shapes: the token count is padded to its bucket (`pad_to`: the next power of two up to `q_padding_interval_size`,
+then a multiple of it; at least 2, as a size of 1 would get a specialized graph). Padding tokens form an extra table
+row whose only block is the cache's scratch page: they write their K/V where no request reads, attend only to
+themselves, and their logits are dropped. Kept logit rows, block-table rows and width, and the cache's slot count are
+dynamic dims at every level (only the lm_head slice and the attention op read them), so none of them costs a
+recompilation; `kv_padding_interval_size` (the table width rounded up to that many tokens) is accepted for
+transformers compatibility and bounds the distinct widths, but on CPU changes no compile count.
+
+Measured on a 2-core AVX-512 EPYC (torch 2.13, fp32, 2 threads, `benchmarks/compile_levels.py`, shared machine):
+- compile, W1 model (8 layers): level 1 first step 18-20 s cold, 4.1 s warm (a second process: FX graph and
+  AOTAutograd cache hits, dynamo still traces); 2-layer test model 11.8 s / 3.1 s. Level 3 compiles a graph per
+  bucket: 3 graphs in 33 s cold / 5.9 s warm for the throughput warm-up workload.
+- one forward, best of 15, level 1 vs eager: decode 1 row 1.02x (5.86 vs 5.97 ms), 8 rows 1.06x, 64 rows 1.06x, 256
+  rows 1.04x; prefill 64 tokens 1.08x, 512 1.04x, 2048 1.10x. Level 2 is level 1 within noise (the matmuls and the
+  attention are opaque, so max-autotune finds nothing to tune); level 3 gains another 2-6% on small decode steps.
+  No shape lost, but tiny decode steps only break even: most of their time is the packed matmuls and the attention
+  kernel, which compile does not change, and each custom-op call adds ~6 us of dispatch.
+- W1, best of 3 interleaved: from a fresh process (`throughput.py --systems engine,engine_compiled`) level 1 does
+  1.04x eager, level 3 0.45x (it compiles the 7 buckets W1 meets inside the timed run); once every graph is compiled
+  (`compile_levels.py w1`) level 1 1.02-1.04x, level 3 0.97-0.98x (padding costs what static shapes save). Run-to-run
+  noise is ~5%.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx.experimental._config as fx_config
+from transformers import PreTrainedModel
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.attention import StepTensors
+from rollout.engine.packed_linear_op import use_packed_linears
+
+logger = logging.getLogger(__name__)
+
+STATIC_Q_INTERVAL = 64  # q padding of a static path when q_padding_interval_size is left 0 (transformers' preset)
+MIN_DIM = 2  # no padded dim is ever 1: dynamo would specialize a graph for it
+STATIC_RECOMPILE_LIMIT = 128  # graphs a static config may compile (one per token-count bucket) before running eager
+
+
+def pad_to(n: int, interval: int) -> int:
+    """The bucket of a size: at least MIN_DIM; with an interval, the next power of two up to it, then a multiple of
+    it (a 3-row decode step pads to 4 tokens, not 64)."""
+    n = max(n, MIN_DIM)
+    if interval <= 0:
+        return n
+    if n <= interval:
+        return min(1 << (n - 1).bit_length(), interval)
+    return -(-n // interval) * interval
+
+
+class InductorBackend:
+    """A torch.compile backend: the graph's linears become `rollout::packed_linear`, then inductor (or another
+    named backend) compiles it. Counts the graphs it compiled, so tests and logs can tell a recompilation."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = config
+        self.backend = config.get("backend", "inductor")
+        # emulate_precision_casts: round low-precision intermediates where eager does, so a bf16 model's compiled
+        # logprobs equal its eager ones (without it inductor keeps fused intermediates in fp32: other tokens)
+        self.patches = {"emulate_precision_casts": True,
+                        **torch._inductor.list_mode_options(config.get("mode") or "default", config.get("dynamic")),
+                        **(config.get("options") or {})}
+        self.compiles = 0
+        self.seconds = 0.0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        start = time.perf_counter()
+        linears = use_packed_linears(gm)
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            compiled = compile_fx(gm, example_inputs, config_patches=self.patches)
+        else:
+            compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        self.compiles += 1  # only after success: dynamo may restart a trace and call the backend again
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
+        logger.info("compiled a forward graph (%s; %d so far, %d packed linears) in %.1fs", self.config,
+                    self.compiles, linears, elapsed)
+        return compiled
+
+
+def _step(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
+          step: StepTensors) -> torch.Tensor:
+    """The traced function: one packed forward, logits `[1, K, vocab]` at the `keep` rows."""
+    return model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False,
+                 rollout_step=step).logits
+
+
+_callables: dict[str, tuple[InductorBackend, Callable]] = {}
+_callables_lock = threading.Lock()
+
+
+def compiled_step(config: dict) -> tuple[InductorBackend, Callable]:
+    """The process's compiled `_step` for one compile config, shared by every engine that uses that config.
+
+    Shared so that a new engine over the same model class (`generate_batch` builds one per call) finds the graphs
+    already compiled: the model, its weights and the cache are graph inputs, and the guards check only their types,
+    shapes and constants. Each config keeps its own entries and recompilation count (`isolate_recompiles`); a static
+    config may compile one graph per token-count bucket.
+    """
+    key = repr(sorted((k, repr(v)) for k, v in config.items()))
+    with _callables_lock:
+        if key not in _callables:
+            backend = InductorBackend(config)
+            limit = STATIC_RECOMPILE_LIMIT if config.get("dynamic") is False else None
+            _callables[key] = backend, torch.compile(_step, backend=backend, dynamic=config.get("dynamic"),
+                                                     fullgraph=config.get("fullgraph", False), recompile_limit=limit,
+                                                     isolate_recompiles=True)
+        return _callables[key]
+
+
+@dataclass
+class CompiledPath:
+    """One compiled callable (for decode-only or for mixed steps) and how its inputs are padded."""
+
+    config: dict
+    backend: InductorBackend
+    fn: Callable
+    static: bool  # the token count is a static dim: a graph per bucket
+    q_interval: int
+
+
+class CompiledForward:
+    """An engine's compiled callables: `decode` serves steps whose rows all run one token, `varlen` the others."""
+
+    def __init__(self, varlen_config: dict | None, decode_config: dict | None, q_interval: int, kv_interval: int,
+                 max_batch_tokens: int) -> None:
+        self.kv_interval = kv_interval
+        self.paths: dict[str, CompiledPath] = {}
+        for name, config in (("varlen", varlen_config), ("decode", decode_config)):
+            if config is None:
+                continue
+            static = config.get("dynamic") is False
+            interval = q_interval or (STATIC_Q_INTERVAL if static else 0)
+            backend, fn = compiled_step(config)  # equal configs: one callable serves both kinds of step
+            self.paths[name] = CompiledPath(config, backend, fn, static, interval)
+            buckets = len({pad_to(n, interval) for n in range(1, max_batch_tokens + 1)}) if static else 1
+            if buckets > STATIC_RECOMPILE_LIMIT:
+                logger.warning("%s steps compile static shapes with q padding %d: up to %d graphs for %d batch "
+                               "tokens, more than the %d torch.compile keeps (later buckets run eagerly); raise "
+                               "q_padding_interval_size", name, interval, buckets, max_batch_tokens,
+                               STATIC_RECOMPILE_LIMIT)
+            logger.info("%s steps run compiled: %s, q padding %d", name, config, interval)
+        self._compiles_at_start = self.num_compiles_in_process
+
+    @staticmethod
+    def prepare_cache(cache_tensors: list[torch.Tensor]) -> None:
+        """Called once by the model runner: a cache's slot count is a dynamic dim (another engine's cache of another
+        size reuses the graphs), its heads and head size static."""
+        for t in cache_tensors:
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 2)
+
+    def path_for(self, decode: bool) -> CompiledPath | None:
+        return self.paths.get("decode" if decode else "varlen")
+
+    def drop(self, path: CompiledPath) -> None:
+        """Serve the steps of `path` eagerly from now on (its compilation failed)."""
+        self.paths = {name: p for name, p in self.paths.items() if p is not path}
+
+    @property
+    def backends(self) -> list[InductorBackend]:
+        return list({id(p.backend): p.backend for p in self.paths.values()}.values())
+
+    @property
+    def num_compiles_in_process(self) -> int:
+        """Graphs compiled by this engine's backends, by any engine of the process (a recompilation adds one)."""
+        return sum(b.compiles for b in self.backends)
+
+    @property
+    def num_compiles(self) -> int:
+        """Graphs compiled by this engine's backends since it was built (by it, or another engine sharing them)."""
+        return self.num_compiles_in_process - self._compiles_at_start
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds this engine's backends spent in inductor, process-wide (dynamo's tracing not counted)."""
+        return sum(b.seconds for b in self.backends)
+
+    def table_width(self, blocks: int, page_size: int) -> int:
+        """The block-table width for `blocks` blocks: rounded up to kv_padding_interval_size tokens."""
+        return pad_to(blocks, -(-self.kv_interval // page_size) if self.kv_interval else 0)
+
+    def __call__(self, path: CompiledPath, model: PreTrainedModel, input_ids: torch.Tensor,
+                 position_ids: torch.Tensor, keep: torch.Tensor, step: StepTensors) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(keep, 0)
+        torch._dynamo.mark_dynamic(step.tables, 0)
+        torch._dynamo.mark_dynamic(step.tables, 1)
+        with _DYNAMO_SETTINGS:
+            return path.fn(model, input_ids, position_ids, keep, step)
+
+
+class _DynamoSettings:
+    """Dynamo settings while any engine runs a compiled forward (they matter only when dynamo traces): no duck
+    sizing, so two dims equal in one step are not assumed equal in the next (one recompilation each time they
+    differ), and Python floats of the modules (an embedding's norm_type) kept as constants: tracing them as tensors
+    made dynamo restart every first trace, costing an AOTAutograd cache miss per process. Process-wide and
+    reference-counted across threads: another torch.compile traced meanwhile in this process sees them too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: tuple[bool, bool] | None = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = fx_config.use_duck_shape, torch._dynamo.config.specialize_float
+                fx_config.use_duck_shape = False
+                torch._dynamo.config.specialize_float = True
+            self._depth += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                fx_config.use_duck_shape, torch._dynamo.config.specialize_float = self._saved
+
+
+_DYNAMO_SETTINGS = _DynamoSettings()
+
+
+def build_compiled_forward(config: ContinuousBatchingConfig, device: torch.device,
+                           max_batch_tokens: int) -> CompiledForward | None:
+    """The engine's compiled callables for `config` (None when every path is eager); ValueError off CPU."""
+    varlen, decode = config.compile_configs()
+    if varlen is None and decode is None:
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"default_compile_level / compile configs are implemented for CPU engines only (the model "
+                         f"is on {device}; the compiled attention op has no flash-attn path): leave "
+                         f"default_compile_level=0 and the compile configs None.")
+    return CompiledForward(varlen, decode, config.q_padding_interval_size, config.kv_padding_interval_size,
+                           max_batch_tokens)
