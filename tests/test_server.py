@@ -431,6 +431,20 @@ def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
     assert not launched["app"].state.backend.healthy()
 
 
+def test_serve_options_map_to_the_engine_config():
+    """Each engine option of `rollout serve` reaches ContinuousBatchingConfig; unset ones keep the config's defaults."""
+    from rollout.server.cli import continuous_batching_config_from_args
+
+    parser = build_parser_args(argparse.ArgumentParser())
+    config = continuous_batching_config_from_args(parser.parse_args([
+        "--model", "m", "--compile-level", "1", "--max-batch-tokens", "512", "--cpu-threads", "1"]))
+    assert (config.default_compile_level, config.max_batch_tokens, config.cpu_threads) == (1, 512, 1)
+    default = continuous_batching_config_from_args(parser.parse_args(["--model", "m"]))
+    assert default.default_compile_level == 0 and default.max_batch_tokens is None and default.cpu_threads == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--compile-level", "4"])
+
+
 # ------------------------------------------------------------------------------------------------------ /health
 class BreakableForward:
     """A forward pre-hook that raises while `broken` is set, the way a bf16 matmul fails on a CPU without bf16

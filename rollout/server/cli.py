@@ -53,6 +53,10 @@ def build_parser_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--cpu-threads", type=_cpu_threads, default="auto",
                         help="CPU: intra-op threads per engine step, an integer or 'auto' (at most OMP_NUM_THREADS / "
                         "torch's default, fewer while other processes keep the cores busy)")
+    parser.add_argument("--compile-level", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="CPU: torch.compile level of the engine's forward (0 eager, the default; 1 is the one "
+                        "that pays on CPU: the first steps compile, ~20 s cold and ~4 s with inductor's cache warm; "
+                        "see the README's Compile levels)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="server log level")
     _add_security_args(parser.add_argument_group("access (see the README's Security section)"))
@@ -144,6 +148,7 @@ def continuous_batching_config_from_args(args: argparse.Namespace):
     names = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type", "seed",
              "cpu_threads")
     kwargs = {name: getattr(args, name, None) for name in names}
+    kwargs["default_compile_level"] = getattr(args, "compile_level", None)
     return ContinuousBatchingConfig(**{k: v for k, v in kwargs.items() if v is not None})
 
 

@@ -1,9 +1,11 @@
 """Completion text as OpenAI returns it: stop tokens and stop strings cut off, and streamed as safe deltas.
 
 The engine's token ids keep the stop token (trainers need it); the text does not, like OpenAI and vLLM. Streaming
-decodes the whole completion each time (simple, and prefix-stable for normal tokenizers) and holds back the tail
-that could still turn into a stop string or is an incomplete UTF-8 character, so the concatenated deltas equal the
-non-streamed text.
+decodes only the tokens that arrived since the last delta, after a few already-decoded tokens of context whose text is
+then removed (a long stream costs O(new tokens) per delta, not a decode of the whole completion each time), falls back
+to a whole decode whenever the context's text is not a prefix of that decode, and holds back the tail that could still
+turn into a stop string or is an incomplete UTF-8 character, so the concatenated deltas equal the non-streamed text
+(the last delta is cut from one whole decode).
 
 For completions the text is decoded after a few prompt tokens of context and the context's text is then removed:
 tokenizers such as SentencePiece drop a word's leading space when it is decoded alone, so "The capital is" +
@@ -37,6 +39,8 @@ class CompletionText:
         self.stop_ids = set(stop_ids)
         self.hold = max((len(s) for s in self.stop_strings), default=1) - 1
         self.sent = ""
+        self._text = ""  # the decoded text of the first `_done` generated tokens (it ends on a whole character)
+        self._done = 0
 
     def full_text(self, tokens: Sequence[int], finish_reason: str | None) -> str:
         """The final text of a completion: without the stop token that ended it, cut at the first stop string."""
@@ -47,17 +51,45 @@ class CompletionText:
         return truncate_at_stop(text, self.stop_strings)[0]
 
     def _decode(self, tokens: list[int]) -> str:
-        if self.context:
-            both = self.tokenizer.decode(self.context + tokens, skip_special_tokens=True)
-            if both.startswith(self.context_text):
-                return both[len(self.context_text):]
+        return self._after(self.context, self.context_text, tokens)
+
+    def _after(self, context: list[int], context_text: str, tokens: list[int]) -> str:
+        """The text `tokens` add after `context` (whose decoded text is `context_text`); decoded alone when the
+        context's text is not a prefix of the decode of both."""
+        if context:
+            both = self.tokenizer.decode(context + tokens, skip_special_tokens=True)
+            if both.startswith(context_text):
+                return both[len(context_text):]
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _running_text(self, tokens: Sequence[int]) -> str:
+        """The decoded text of `tokens`, a continuation of the last call's: only the new tokens are decoded, after
+        up to CONTEXT_TOKENS decoded ones (or the prompt's context) so leading spaces and merges come out as in a
+        whole decode. A piece ending in an incomplete character is not kept: it is decoded again with what follows."""
+        done = self._done
+        if len(tokens) < done:  # not a continuation (cannot happen for one stream): start over
+            self._text, self._done, done = "", 0, 0
+        new = list(tokens[done:])
+        if not new:
+            return self._text
+        window = list(tokens[max(0, done - self.CONTEXT_TOKENS):done])
+        if len(window) < self.CONTEXT_TOKENS:
+            window = self.context[max(0, len(self.context) - self.CONTEXT_TOKENS + len(window)):] + window
+        window_text = self.context_text if window == self.context else (
+            self.tokenizer.decode(window, skip_special_tokens=True) if window else "")
+        piece = self._after(window, window_text, new)
+        if piece.endswith(_REPLACEMENT):
+            return self._text + piece
+        self._text += piece
+        self._done = len(tokens)
+        return self._text
 
     def delta(self, tokens: Sequence[int], finished: bool, finish_reason: str | None = None) -> str:
         """New text since the previous call; on `finished` everything left."""
-        text = self.full_text(tokens, finish_reason if finished else None)
-        if not finished:
-            text = text.rstrip(_REPLACEMENT)
+        if finished:
+            text = self.full_text(tokens, finish_reason)
+        else:
+            text = truncate_at_stop(self._running_text(tokens), self.stop_strings)[0].rstrip(_REPLACEMENT)
             if self.stop_strings and self.hold:
                 text = text[:max(len(self.sent), len(text) - self.hold)]
         if not text.startswith(self.sent):  # the tokenizer re-spelled earlier text: nothing safe to add yet

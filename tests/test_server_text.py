@@ -1,0 +1,54 @@
+"""Streamed completion text: the deltas add up to the non-streamed text, and each delta decodes only new tokens."""
+
+import pytest
+
+from rollout.server.text import CompletionText
+from tests.helpers.tokenizers import json_tokenizer, tiny_tokenizer
+
+TEXT = 'héllo wörld ✓ 日本語 {"name": "alice", "tags": ["a", "b"]} ' * 12
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded_ids = 0
+
+    def decode(self, ids, **kwargs) -> str:
+        self.decoded_ids += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def _stream(text: CompletionText, tokens: list[int], finish_reason: str = "length") -> str:
+    out = [text.delta(tokens[:i], finished=False) for i in range(1, len(tokens))]
+    return "".join(out) + text.delta(tokens, finished=True, finish_reason=finish_reason)
+
+
+@pytest.mark.parametrize("make", [json_tokenizer, tiny_tokenizer])
+def test_streamed_deltas_add_up_to_the_whole_text(make):
+    tok = make()
+    source = TEXT if make is json_tokenizer else " ".join(f"w{i % 200}" for i in range(300))
+    tokens = tok.encode(source, add_special_tokens=False)
+    context = tok.encode("w1 w2 w3" if make is tiny_tokenizer else "{", add_special_tokens=False)
+    whole = CompletionText(tok, context=context).full_text(tokens, "length")
+    assert _stream(CompletionText(tok, context=context), tokens) == whole
+    if make is json_tokenizer:
+        assert whole == TEXT  # byte-level: multi-byte characters split over tokens come out whole
+
+
+def test_each_delta_decodes_only_the_new_tokens_and_a_bounded_context():
+    tok = CountingTokenizer(json_tokenizer())
+    tokens = tok.tokenizer.encode(TEXT, add_special_tokens=False)
+    text = CompletionText(tok)
+    _stream(text, tokens)
+    per_delta = 2 * CompletionText.CONTEXT_TOKENS + 4  # context twice, the new token, a held-back character
+    # decoding the whole completion each time would cost len(tokens)**2 / 2 ids (tens of thousands here)
+    assert tok.decoded_ids <= len(tokens) * per_delta + 2 * len(tokens)
+
+
+def test_stop_strings_are_held_back_and_cut_when_streamed():
+    tok = json_tokenizer()
+    tokens = tok.encode('{"name": "alice", "age": 31}', add_special_tokens=False)
+    streamed = _stream(CompletionText(tok, stop_strings=['"age"']), tokens, finish_reason="stop")
+    assert streamed == '{"name": "alice", '
