@@ -18,9 +18,10 @@
 # Needs qemu-user (Debian/Ubuntu: apt-get install qemu-user; qemu >= 7.2 for AVX2 emulation) and the project's
 # virtualenv at .venv (or PYTHON=/path/to/python). Slow: importing torch takes ~7 s, a test module about a minute.
 # Under qemu-user /proc/cpuinfo still shows the host CPU; torch (and the engine's detection) read CPUID instead.
-# Kernel builds go to a fresh temporary ROLLOUT_KERNEL_CACHE, and torch.compile's to a fresh TORCHINDUCTOR_CACHE_DIR
-# (the host's inductor cache holds code built for the host CPU: reused under an emulated AVX2 CPU, a level-1 engine
-# produced only token 0), both removed at the end.
+# Kernel builds go to a fresh temporary ROLLOUT_KERNEL_CACHE, and torch.compile's to a fresh TORCHINDUCTOR_CACHE_DIR,
+# both removed at the end; inductor's C++ is built for the same -march as the kernel (TORCHINDUCTOR_CPP_MARCH): its
+# default, -march=native, is the host CPU here too. Without these, compiled engines under an emulated AVX2 CPU died of
+# SIGILL (freshly compiled code) or generated only token 0 (code from the host's cache).
 set -euo pipefail
 
 cpu_model=EPYC-Rome
@@ -63,6 +64,7 @@ echo "qemu -cpu $cpu_model: torch CPU capability $capability; ROLLOUT_KERNEL_MAR
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
 export ROLLOUT_KERNEL_CACHE=$cache TORCHINDUCTOR_CACHE_DIR=$cache/inductor ROLLOUT_KERNEL_MARCH=$march \
+    TORCHINDUCTOR_CPP_MARCH=$march \
     WANDB_MODE=offline HF_HUB_OFFLINE=1
 emulated -c "from rollout.engine.cpu_features import cpu_features; print(cpu_features().describe())" >&2
 start=$SECONDS
