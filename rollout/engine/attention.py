@@ -31,7 +31,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from rollout.engine.cpu_kernel import KernelBatch, paged_attention
 from rollout.engine.flash_backend import FlashBatch, flash_paged_attention
-from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.kv_cache import PagedKVCache, write_slots
 
 ATTENTION_NAME = "rollout_paged"
 _switch_lock = threading.Lock()
@@ -169,8 +169,7 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        use_kernel: bool) -> torch.Tensor:
     """Write the step's K/V at `slots`, then attend every token over its row's pages: query `[1, H, T, D]`,
     key/value `[1, KVH, T, D]`, caches `[slots, KVH, D]`; returns `[T, H, D]`. `window` 0: none; `softcap` 0: none."""
-    k_cache.index_copy_(0, slots, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    write_slots(k_cache, v_cache, slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)
     if use_kernel:
         out = paged_attention(q, k_cache, v_cache, KernelBatch(positions, token_rows, tables), page_size, scale,

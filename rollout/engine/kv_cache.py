@@ -39,6 +39,14 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
+def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> None:
+    """Store `key`/`value` (`[tokens, kv_heads, head_dim]`) at `slots` of one layer's caches, in the caches' dtype
+    (also called by the compiled forward's attention op, which gets the layer's tensors rather than the cache)."""
+    k_cache.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
 class PagedKVCache:
     """K and V storage for every layer, allocated once and never reallocated (weight updates keep it in place)."""
 
@@ -74,8 +82,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store `key`/`value` (`[tokens, kv_heads, head_dim]`) at `slots`."""
-        self.keys[layer].index_copy_(0, slots, key.to(self.dtype))
-        self.values[layer].index_copy_(0, slots, value.to(self.dtype))
+        write_slots(self.keys[layer], self.values[layer], slots, key, value)
 
     def copy_block(self, src: int, dst: int, num_tokens: int | None = None) -> None:
         """Copy a block's contents (all layers) into another block: the copy-on-fork of a partial last block."""

@@ -173,6 +173,11 @@ class PackedLinears:
     def _packable(self, weight: torch.Tensor) -> bool:
         return weight.dtype in self.dtypes and weight.device.type == "cpu" and weight.layout == torch.strided
 
+    def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `linear(x, weight, ...)` runs packed here (else the caller keeps F.linear): a non-empty input of
+        the weight's dtype, and a strided CPU weight of a packed dtype."""
+        return bool(x.numel()) and x.dtype == weight.dtype and self._packable(weight)
+
     def _pad_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable input buffer per bucket. Its tail rows hold whatever earlier calls left: matmul rows are
         independent, and the outputs of padding rows are cut off."""
@@ -204,8 +209,7 @@ class PackedLinears:
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
-            if getattr(this._active, "on", False) and x.numel() and x.dtype == weight.dtype \
-                    and this._packable(weight):
+            if getattr(this._active, "on", False) and this.serves(x, weight):
                 return this.linear(x, weight, module.bias)
             return F.linear(x, weight, module.bias)
         return forward

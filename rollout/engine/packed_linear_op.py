@@ -41,8 +41,7 @@ def active_linears(linears: PackedLinears | None) -> Iterator[None]:
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed copy of `weight` when this thread's engine packs it."""
     linears: PackedLinears | None = getattr(_active, "linears", None)
-    if linears is None or not x.numel() or x.dtype != weight.dtype or weight.dtype not in linears.dtypes \
-            or weight.device.type != "cpu" or weight.layout != torch.strided:
+    if linears is None or not linears.serves(x, weight):
         return F.linear(x, weight, bias)
     return linears.linear(x, weight, bias)
 
