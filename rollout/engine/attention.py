@@ -162,13 +162,13 @@ class StepTensors(NamedTuple):
     use_kernel: bool  # the C kernel attends; False: per-row gathers + SDPA
 
 
-@torch.library.custom_op("rollout::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor,
                        tables: torch.Tensor, page_size: int, scale: float, window: int, softcap: float,
                        use_kernel: bool) -> torch.Tensor:
-    """Write the step's K/V at `slots`, then attend every token over its row's pages: query `[1, H, T, D]`,
-    key/value `[1, KVH, T, D]`, caches `[slots, KVH, D]`; returns `[T, H, D]`. `window` 0: none; `softcap` 0: none."""
+    """`rollout::paged_attention`: write the step's K/V at `slots`, then attend every token over its row's pages:
+    query `[1, H, T, D]`, key/value `[1, KVH, T, D]`, caches `[slots, KVH, D]`; returns `[T, H, D]`. `window` 0:
+    none; `softcap` 0: none."""
     write_slots(k_cache, v_cache, slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)
     if use_kernel:
@@ -180,10 +180,19 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return out.to(query.dtype)
 
 
-@paged_attention_op.register_fake
-def _(query, key, value, k_cache, v_cache, slots, positions, token_rows, tables, page_size, scale, window, softcap,
-      use_kernel):
+def _paged_attention_fake(query, key, value, k_cache, v_cache, slots, positions, token_rows, tables, page_size, scale,
+                          window, softcap, use_kernel):
     return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+
+
+# Defined with torch.library.Library rather than @custom_op, whose per-call argument handling cost more than the
+# kernel itself for a one-token step; the schema marks the two caches as written in place.
+_LIBRARY = torch.library.Library("rollout", "FRAGMENT")
+_LIBRARY.define("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+                "Tensor slots, Tensor positions, Tensor token_rows, Tensor tables, int page_size, float scale, "
+                "int window, float softcap, bool use_kernel) -> Tensor")
+_LIBRARY.impl("paged_attention", paged_attention_op, "CompositeExplicitAutograd")
+torch.library.register_fake("rollout::paged_attention", _paged_attention_fake, lib=_LIBRARY)
 
 
 def _rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

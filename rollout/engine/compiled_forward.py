@@ -25,19 +25,19 @@ dynamic dims at every level (only the lm_head slice and the attention op read th
 recompilation; `kv_padding_interval_size` (the table width rounded up to that many tokens) is accepted for
 transformers compatibility and bounds the distinct widths, but on CPU changes no compile count.
 
-Measured on a 2-core AVX-512 EPYC (torch 2.13, fp32, 2 threads, `benchmarks/compile_levels.py`, shared machine):
-- compile, W1 model (8 layers): level 1 first step 18-20 s cold, 4.1 s warm (a second process: FX graph and
-  AOTAutograd cache hits, dynamo still traces); 2-layer test model 11.8 s / 3.1 s. Level 3 compiles a graph per
-  bucket: 3 graphs in 33 s cold / 5.9 s warm for the throughput warm-up workload.
-- one forward, best of 15, level 1 vs eager: decode 1 row 1.02x (5.86 vs 5.97 ms), 8 rows 1.06x, 64 rows 1.06x, 256
-  rows 1.04x; prefill 64 tokens 1.08x, 512 1.04x, 2048 1.10x. Level 2 is level 1 within noise (the matmuls and the
-  attention are opaque, so max-autotune finds nothing to tune); level 3 gains another 2-6% on small decode steps.
-  No shape lost, but tiny decode steps only break even: most of their time is the packed matmuls and the attention
-  kernel, which compile does not change, and each custom-op call adds ~6 us of dispatch.
-- W1, best of 3 interleaved: from a fresh process (`throughput.py --systems engine,engine_compiled`) level 1 does
-  1.04x eager, level 3 0.45x (it compiles the 7 buckets W1 meets inside the timed run); once every graph is compiled
-  (`compile_levels.py w1`) level 1 1.02-1.04x, level 3 0.97-0.98x (padding costs what static shapes save). Run-to-run
-  noise is ~5%.
+Steady state without dynamo: dynamo evaluates a guard per tensor input on every call (139 inputs for W1, ~0.6 ms a
+step). After a call through dynamo shows which graph serves a model (`CompiledGraph`), the engine calls that graph
+itself with its inputs read through dynamo's own input sources, from the live model and step; a step it no longer
+fits (its size asserts fail) goes back through dynamo.
+
+Measured on a 2-core AVX-512 EPYC (torch 2.13, fp32, 2 threads, shared machine): compile of the W1 model (8 layers)
+at level 1, first step 18-20 s cold, 4.1 s warm (a second process: FX graph and AOTAutograd cache hits; dynamo still
+traces). Whole decode steps, level 1 vs eager, interleaved in one process (medians of 9 runs of 40 steps): 1 row
+1.21x (5.12 vs 6.22 ms), 8 rows 1.19x, 32 rows 1.14x; 1.09-1.11x of that came from the direct calls, the rest from
+defining both ops with torch.library.Library (the @custom_op wrapper cost ~50 us per attention call). Of a one-row
+step, the packed matmuls take ~3 ms, the graph's fused kernels ~0.7 ms and the attention ~0.2 ms. W1 from a fresh
+process: level 1 1.06x eager (prefill and the wide early steps gain less). Level 3 compiles a graph per bucket (0.45x
+from a fresh process before this change: it compiles the buckets W1 meets inside the run).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,7 +104,53 @@ class InductorBackend:
         self.seconds += elapsed
         logger.info("compiled a forward graph (%s; %d so far, %d packed linears) in %.1fs", self.config,
                     self.compiles, linears, elapsed)
-        return compiled
+        return CompiledGraph(compiled, gm)
+
+
+_last_graph = threading.local()  # the CompiledGraph that the last compiled call on this thread ran
+
+
+class CompiledGraph:
+    """One compiled graph as dynamo calls it, plus how to call it without dynamo.
+
+    Dynamo checks its guards (one per tensor input, 139 of them for W1) on every call: about 0.6 ms per step on a
+    2-core EPYC, as much as all the graph's fused kernels. Once a call through dynamo has shown which graph serves a
+    model (`_last_graph`), the engine calls that graph itself (`direct`), with its inputs read from the live
+    model and step by the accessors derived from dynamo's own input sources: a weight replaced by a new tensor is
+    picked up, and a changed shape fails the graph's size asserts and goes back through dynamo."""
+
+    def __init__(self, fn: Callable, gm: torch.fx.GraphModule) -> None:
+        self.fn = fn
+        self.accessors = _input_accessors(gm)
+        outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+        self.single_output = isinstance(outputs, (tuple, list)) and len(outputs) == 1
+
+    def __call__(self, *args):
+        _last_graph.value = self
+        return self.fn(*args)
+
+    def direct(self, frame: dict) -> torch.Tensor:
+        """The graph's output for the compiled function's arguments `frame` (by parameter name)."""
+        return self.fn(*[read(frame) for read in self.accessors])[0]
+
+
+def _input_accessors(gm: torch.fx.GraphModule) -> list[Callable] | None:
+    """Per graph input, a function of the traced frame's arguments that reads it (`L['model']._modules[...]`,
+    `L['input_ids'].size()[1]`); None when a source is not such an expression (then the graph is only called by
+    dynamo)."""
+    accessors = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        grapharg = node.meta.get("grapharg")
+        source = getattr(getattr(grapharg, "source", None), "name", None)
+        if not isinstance(source, str) or not source.startswith("L["):
+            return None
+        try:
+            accessors.append(eval(f"lambda L: {source}", {}))  # dynamo's own source expression
+        except SyntaxError:
+            return None
+    return accessors
 
 
 def _step(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
@@ -154,6 +201,8 @@ class CompiledForward:
                  max_batch_tokens: int) -> None:
         self.kv_interval = kv_interval
         self.paths: dict[str, CompiledPath] = {}
+        # (path, model, static bucket) -> the graph that serves it, called without dynamo after its first call
+        self._direct: dict[tuple, tuple[weakref.ref, CompiledGraph]] = {}
         for name, config in (("varlen", varlen_config), ("decode", decode_config)):
             if config is None:
                 continue
@@ -211,11 +260,40 @@ class CompiledForward:
 
     def __call__(self, path: CompiledPath, model: PreTrainedModel, input_ids: torch.Tensor,
                  position_ids: torch.Tensor, keep: torch.Tensor, step: StepTensors) -> torch.Tensor:
+        frame = {"model": model, "input_ids": input_ids, "position_ids": position_ids, "keep": keep, "step": step}
+        key = (id(path), id(model), input_ids.shape[1] if path.static else None)
+        entry = self._direct.get(key)
+        if entry is not None and entry[0]() is model:
+            try:
+                return entry[1].direct(frame)
+            except (AssertionError, RuntimeError, IndexError, TypeError) as err:  # shapes dynamo would recompile for
+                logger.info("the compiled graph no longer fits this step (%s); going back through dynamo", err)
+                del self._direct[key]
         torch._dynamo.mark_dynamic(keep, 0)
         torch._dynamo.mark_dynamic(step.tables, 0)
         torch._dynamo.mark_dynamic(step.tables, 1)
+        _last_graph.value = None
         with _DYNAMO_SETTINGS:
-            return path.fn(model, input_ids, position_ids, keep, step)
+            logits = path.fn(model, input_ids, position_ids, keep, step)
+        self._learn_direct(key, model, frame, logits)
+        return logits
+
+    def _learn_direct(self, key: tuple, model: PreTrainedModel, frame: dict, logits: torch.Tensor) -> None:
+        """After a call through dynamo: if one graph ran and calling it directly gives the same logits (the forward
+        is repeated once; its K/V writes are the same values to the same slots), call it directly from now on."""
+        graph = getattr(_last_graph, "value", None)
+        if graph is None or graph.accessors is None or not graph.single_output:
+            return
+        try:
+            same = torch.equal(graph.direct(frame), logits)
+        except Exception as err:  # any failure means: keep going through dynamo
+            logger.info("calling the compiled graph directly failed (%r); it stays behind dynamo's guards", err)
+            return
+        if same:
+            self._direct[key] = (weakref.ref(model), graph)
+        else:
+            logger.warning("the compiled graph called directly gave other logits than through dynamo; it stays "
+                           "behind dynamo's guards")
 
 
 class _DynamoSettings:

@@ -154,6 +154,9 @@ class ModelRunner:
         """Per entry: query lengths, start positions, packed offsets; per token: entry (row) and position."""
         query_lens = torch.tensor(plan.query_lens, dtype=torch.long)
         starts = torch.tensor(plan.start_positions, dtype=torch.long)
+        if all(n == 1 for n in plan.query_lens):  # decode only: token i is entry i, at its start position
+            entries = torch.arange(len(plan))
+            return query_lens, starts, entries, entries, starts
         offsets = torch.cumsum(query_lens, 0) - query_lens  # packed index of each entry's first token
         row_of_token = torch.repeat_interleave(torch.arange(len(plan)), query_lens)
         positions = torch.arange(plan.num_tokens) - offsets[row_of_token] + starts[row_of_token]

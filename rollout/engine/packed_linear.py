@@ -26,8 +26,10 @@ model whose dtype cannot be packed here is a ValueError (require_packing) rather
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,16 @@ PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; mea
 PACKED_MAX_ROWS = 256
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_BUCKET = 16
+
+
+def _linear_pointwise(*args):
+    """oneDNN's packed matmul; looked up on first use (a torch build without oneDNN never calls it)."""
+    global _LINEAR_POINTWISE
+    _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+    return _LINEAR_POINTWISE(*args)
+
+
+_LINEAR_POINTWISE = _linear_pointwise  # the op itself after the first call: one attribute lookup less per matmul
 
 
 def padded_rows(rows: int) -> int:
@@ -135,6 +147,10 @@ class PackedLinears:
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
         self._pads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        # the per-forward lookup: id(weight) -> packed copy, and what it was built from (epoch; module, weight,
+        # version per target), so a forward checks versions instead of re-deriving each copy
+        self._table: dict[int, torch.Tensor] = {}
+        self._checked: tuple[int, list] | None = None
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._packs.get(id(weight))
@@ -158,6 +174,7 @@ class PackedLinears:
         self._epoch += 1
         self._pads.clear()
         self._overrides = None
+        self._checked = None
         live = {id(module.weight) for module, _ in self._targets()}
         for key in [key for key in self._packs if key not in live]:
             del self._packs[key]
@@ -191,27 +208,74 @@ class PackedLinears:
         if padded != rows:
             buf = self._pad_buffer(padded, flat.shape[1], flat.dtype)
             buf[:rows].copy_(flat)
-            return torch.ops.mkldnn._linear_pointwise(buf, packed, bias, "none", [], "")[:rows]
-        return torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+            return _LINEAR_POINTWISE(buf, packed, bias, "none", [], "")[:rows]
+        return _LINEAR_POINTWISE(flat.contiguous(), packed, bias, "none", [], "")
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`F.linear(x, weight, bias)` through the packed copy of `weight`."""
+    def run(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W.T + bias` on the packed copy of W (from `packed_for`)."""
         flat = x.reshape(-1, x.shape[-1])
-        packed = self._packed(weight)
         if flat.shape[0] <= PACKED_MAX_ROWS:
             out = self._rows(flat, packed, bias)
         else:
             out = torch.cat([self._rows(chunk, packed, bias) for chunk in flat.split(PACKED_MAX_ROWS)])
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` through the packed copy of `weight` (packed or refreshed now if needed)."""
+        return self.run(x, self._packed(weight), bias)
+
+    def packed_for(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Inside a forward on this thread (`with linears:` or `serving()`): the packed copy that serves
+        `linear(x, weight)`, or None where F.linear must (another thread, another input dtype, an empty input, a
+        weight not packed). Checked once per forward rather than per call, in `_begin`."""
+        table = getattr(self._active, "table", None)
+        if table is None:
+            return None
+        packed = table.get(id(weight))
+        if packed is None or x.dtype != weight.dtype or not x.numel():
+            return None
+        return packed
+
+    def _begin(self) -> None:
+        """Make this thread's forward use the packed copies: every target weight checked (same tensor, current
+        version and epoch; a stale copy refreshed) once here, so that each call is one dict lookup."""
+        if self._checked is None or self._checked[0] != self._epoch or any(
+                module._parameters.get("weight") is not weight or weight._version != version
+                for module, weight, version in self._checked[1]):
+            self._build_table()
+        self._active.table = self._table
+
+    def _build_table(self) -> None:
+        with torch.no_grad():
+            checked, table = [], {}
+            for module, _ in self._targets():
+                weight = module._parameters.get("weight")
+                if weight is not None and self._packable(weight):
+                    table[id(weight)] = self._packed(weight)
+                    checked.append((module, weight, weight._version))
+        self._table, self._checked = table, (self._epoch, checked)
+
+    def _end(self) -> None:
+        self._active.table = None
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[PackedLinears]:
+        """Serve `packed_for` on this thread (the compiled forward's op) without the modules' forward overrides."""
+        self._begin()
+        try:
+            yield self
+        finally:
+            self._end()
+
     def _override(self, module: torch.nn.Linear):
         this = weakref.proxy(self)  # no reference cycle: a dropped engine frees its packed copies at once
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
-            if getattr(this._active, "on", False) and this.serves(x, weight):
-                return this.linear(x, weight, module.bias)
-            return F.linear(x, weight, module.bias)
+            packed = this.packed_for(x, weight)
+            if packed is None:
+                return F.linear(x, weight, module.bias)
+            return this.run(x, packed, module.bias)
         return forward
 
     def _targets(self) -> list[tuple[torch.nn.Linear, object]]:
@@ -221,7 +285,7 @@ class PackedLinears:
         return self._overrides
 
     def __enter__(self) -> PackedLinears:
-        self._active.on = True
+        self._begin()
         for module, forward in self._targets():
             module.__dict__["forward"] = forward  # instance attribute: nn.Module.__call__ picks it up
         return self
@@ -229,4 +293,4 @@ class PackedLinears:
     def __exit__(self, *exc) -> None:
         for module, _ in self._targets():
             module.__dict__.pop("forward", None)
-        self._active.on = False
+        self._end()
