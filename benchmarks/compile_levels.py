@@ -101,6 +101,13 @@ def start(args: argparse.Namespace) -> None:
     print(format_table(["start", "first step s", "warm-up s", "process s", "graphs", "caches"], rows))
 
 
+def _compare(name: str, ms: dict[int, float], levels: list[int]) -> list:
+    """A table row (ms per level, then each level's speed-up over the first) and its log line."""
+    log(f"{name}: " + ", ".join(f"level {level} {ms[level]:.2f} ms" for level in levels))
+    return [name, *(f"{ms[level]:.2f}" for level in levels),
+            *(f"{ms[levels[0]] / ms[level]:.2f}x" for level in levels[1:])]
+
+
 def _plan(rows: int, context: int, chunk: int, page: int, first_block: int):
     """A StepPlan of `rows` requests at `context` tokens each running their last `chunk` tokens."""
     from rollout.engine.request import Request
@@ -148,10 +155,7 @@ def shapes(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 runners[level].run(plan)
                 best[level] = min(best[level], time.perf_counter() - t0)
-        base = best[levels[0]]
-        rows.append([name, *(f"{best[level] * 1e3:.2f}" for level in levels),
-                     *(f"{base / best[level]:.2f}x" for level in levels[1:])])
-        log(f"{name}: " + ", ".join(f"level {level} {best[level] * 1e3:.2f} ms" for level in levels))
+        rows.append(_compare(name, {level: best[level] * 1e3 for level in levels}, levels))
     env_info = environment()
     print(f"forward latency per shape (best of {args.repeats}), {'tiny' if args.tiny else 'W1'} Qwen3 {args.dtype}, "
           f"threads {args.threads}, torch {env_info['torch']}")
@@ -232,10 +236,7 @@ def steps(args: argparse.Namespace) -> None:
         for _ in range(args.repeats):
             for level, engine in engines.items():
                 times[level].append(step_ms(engine, rows))
-        med = {level: statistics.median(v) for level, v in times.items()}
-        table.append([rows, *(f"{med[level]:.2f}" for level in levels),
-                      *(f"{med[levels[0]] / med[level]:.2f}x" for level in levels[1:])])
-        log(f"{rows} rows: " + ", ".join(f"level {level} {med[level]:.2f} ms" for level in levels))
+        table.append(_compare(f"{rows} rows", {level: statistics.median(v) for level, v in times.items()}, levels))
     env_info = environment()
     print(f"ms per engine step of R decode rows, median of {args.repeats} interleaved rounds, {args.dtype}, threads "
           f"{args.threads}, torch {env_info['torch']}")
