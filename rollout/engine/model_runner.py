@@ -154,7 +154,7 @@ class ModelRunner:
         """Per entry: query lengths, start positions, packed offsets; per token: entry (row) and position."""
         query_lens = torch.tensor(plan.query_lens, dtype=torch.long)
         starts = torch.tensor(plan.start_positions, dtype=torch.long)
-        if all(n == 1 for n in plan.query_lens):  # decode only: token i is entry i, at its start position
+        if plan.decode_only:  # token i is entry i, at its start position
             entries = torch.arange(len(plan))
             return query_lens, starts, entries, entries, starts
         offsets = torch.cumsum(query_lens, 0) - query_lens  # packed index of each entry's first token
@@ -279,8 +279,7 @@ class ModelRunner:
         """The step through its compiled callable; None when its kind of step runs eagerly. A callable that fails to
         compile (dynamo or the backend raised before anything ran) is dropped with the error logged, and the engine
         serves that kind of step eagerly from then on instead of failing every request."""
-        decode = all(n == 1 for n in plan.query_lens)
-        path = self.compiled.path_for(decode)
+        path = self.compiled.path_for(plan.decode_only)
         if path is None:
             return None
         inputs, count = self.build_step(plan, path)

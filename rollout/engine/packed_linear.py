@@ -190,11 +190,6 @@ class PackedLinears:
     def _packable(self, weight: torch.Tensor) -> bool:
         return weight.dtype in self.dtypes and weight.device.type == "cpu" and weight.layout == torch.strided
 
-    def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether `linear(x, weight, ...)` runs packed here (else the caller keeps F.linear): a non-empty input of
-        the weight's dtype, and a strided CPU weight of a packed dtype."""
-        return bool(x.numel()) and x.dtype == weight.dtype and self._packable(weight)
-
     def _pad_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable input buffer per bucket. Its tail rows hold whatever earlier calls left: matmul rows are
         independent, and the outputs of padding rows are cut off."""
@@ -226,8 +221,9 @@ class PackedLinears:
 
     def packed_for(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """Inside a forward on this thread (`with linears:` or `serving()`): the packed copy that serves
-        `linear(x, weight)`, or None where F.linear must (another thread, another input dtype, an empty input, a
-        weight not packed). Checked once per forward rather than per call, in `_begin`."""
+        `linear(x, weight)`, or None where F.linear must (another thread, an input not of the weight's dtype, an
+        empty input, a weight not packed: not a strided CPU weight of a packed dtype). The weights are checked once
+        per forward rather than per call, in `_begin`."""
         table = getattr(self._active, "table", None)
         if table is None:
             return None

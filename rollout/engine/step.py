@@ -42,6 +42,11 @@ class StepPlan:
     def __len__(self) -> int:
         return len(self.requests)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every entry runs one token (token i is entry i): the step a decode-only compiled path serves."""
+        return all(n == 1 for n in self.query_lens)
+
     def add(self, request: Request, num_tokens: int) -> None:
         start = request.num_computed
         self.requests.append(request)
