@@ -113,15 +113,15 @@ def test_describe_names_every_fallback_and_why():
     features = CpuFeatures(
         machine="x86_64", cpu_name="AMD EPYC 7702", isa=frozenset({"sse4_2", "avx2", "fma3"}),
         torch_capability="AVX2", onednn=True, onednn_bf16_device=False, packed_dtypes=frozenset({torch.float32}),
-        packing_errors=(("bfloat16", BF16_ERROR),),
+        packing_errors=(("bfloat16", BF16_ERROR),), silu_gate_dtypes=frozenset({torch.float32}),
         kernel=KernelBuild(True, march="native", isa="avx2", openmp=False))
     assert features.describe() == (
         "x86_64 AMD EPYC 7702 [sse4_2 avx2 fma3]; torch CPU capability AVX2; oneDNN packed linear: float32 yes, "
-        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; attention kernel: -march=native avx2, "
-        "single-threaded (no OpenMP)")
+        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fused SiLU gate: float32; attention "
+        "kernel: -march=native avx2, single-threaded (no OpenMP)")
     bare = CpuFeatures(machine="aarch64", cpu_name="", isa=frozenset(), torch_capability="DEFAULT", onednn=False,
                        onednn_bf16_device=None, packed_dtypes=frozenset(),
                        kernel=KernelBuild(False, reason="no C compiler found"))
     assert bare.describe() == ("aarch64 CPU [none of interest]; torch CPU capability DEFAULT; oneDNN packed linear: "
-                               "unavailable (torch built without oneDNN); attention kernel: unavailable (no C "
-                               "compiler found)")
+                               "unavailable (torch built without oneDNN); fused SiLU gate: no; attention kernel: "
+                               "unavailable (no C compiler found)")

@@ -128,13 +128,14 @@ def test_the_override_is_scoped_to_the_engine_thread_and_removed_after():
         worker.start()
         worker.join()
     assert grads["ok"]
-    assert not any("forward" in m.__dict__ for m in linears), "the model must be left exactly as it was"
+    assert not any("forward" in m.__dict__ for m in model.modules()), "the model must be left exactly as it was"
 
 
 @needs_fp32_packing
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 100, 256, 257, 600])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 100, 256, 257, 600, 2048, 2100])
 def test_packed_forward_equals_f_linear_for_any_row_count(rows):
-    """Rows are padded up to a bucket for oneDNN (bounded JIT-kernel memory) and cut back; large inputs run in chunks.
+    """Rows are padded up to a bucket for oneDNN (bounded JIT-kernel memory) and cut back; inputs over PACKED_MAX_ROWS
+    run in chunks.
     Padding rows hold stale data from earlier calls: they must never leak into the result."""
     from rollout.engine.packed_linear import PACKED_MAX_ROWS, padded_rows
 
@@ -151,7 +152,7 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
     assert out.shape == (1, rows, 80)
     assert torch.allclose(out, F.linear(x, layer.weight, layer.bias), atol=1e-5)
     assert len(linears._packs) == 1
-    assert padded_rows(rows) >= rows and len({padded_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}) <= 20
+    assert padded_rows(rows) >= rows and len({padded_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}) <= 50
 
 
 # --------------------------------------------------------------------------- in-place refresh after weight updates

@@ -55,7 +55,8 @@ from transformers import PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.attention import StepTensors
-from rollout.engine.packed_linear_op import use_packed_linears
+from rollout.engine.cpu_features import cpu_features
+from rollout.engine.packed_linear_op import use_packed_linears, use_silu_gates
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class InductorBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         start = time.perf_counter()
+        gates = use_silu_gates(gm, cpu_features().silu_gate_dtypes)
         linears = use_packed_linears(gm)
         if self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
@@ -102,8 +104,8 @@ class InductorBackend:
         self.compiles += 1  # only after success: dynamo may restart a trace and call the backend again
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
-        logger.info("compiled a forward graph (%s; %d so far, %d packed linears) in %.1fs", self.config,
-                    self.compiles, linears, elapsed)
+        logger.info("compiled a forward graph (%s; %d so far, %d packed linears, %d fused SiLU gates) in %.1fs",
+                    self.config, self.compiles, linears, gates, elapsed)
         return CompiledGraph(compiled, gm)
 
 

@@ -32,6 +32,9 @@ ISA_FLAGS = ("sse4_2", "avx2", "fma3", "avx512_f", "avx512_bw", "avx512_vl", "av
 _PROC_NAMES = {"fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
                "avx512dq": "avx512_dq", "asimd": "neon"}
 PROBE_DTYPES = (torch.float32, torch.bfloat16)
+# The fused SiLU gate (packed_linear.run_silu_gate) is fp32 only: in bf16 eager rounds the gate to bf16 before the
+# SiLU and the fused post-op would not, so a bf16 model would sample from slightly different logits than eager.
+SILU_GATE_DTYPES = (torch.float32,)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class CpuFeatures:
     onednn_bf16_device: bool | None  # torch's bf16 device check; None where this torch has none
     packed_dtypes: frozenset[torch.dtype]  # dtypes whose packed-linear probe passed
     packing_errors: tuple[tuple[str, str], ...] = ()  # (dtype name, why its probe failed)
+    silu_gate_dtypes: frozenset[torch.dtype] = frozenset()  # dtypes whose fused SiLU-gate probe passed
     kernel: KernelBuild = field(default_factory=lambda: KernelBuild(False, reason="not probed"))
 
     def packs(self, dtype: torch.dtype) -> bool:
@@ -78,8 +82,10 @@ class CpuFeatures:
         packing = ", ".join(_packing_word(self, dtype) for dtype in PROBE_DTYPES)
         if not self.onednn:
             packing = "unavailable (torch built without oneDNN)"
+        fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.silu_gate_dtypes) or "no"
         return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
-                f"oneDNN packed linear: {packing}; attention kernel: {self.kernel.describe()}")
+                f"oneDNN packed linear: {packing}; fused SiLU gate: {fused}; attention kernel: "
+                f"{self.kernel.describe()}")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -142,6 +148,27 @@ def probe_packed_linear(dtype: torch.dtype) -> str:
     return ""
 
 
+def probe_silu_gate(dtype: torch.dtype) -> str:
+    """Run the fused SiLU gate (the gate's matmul with a SiLU post-op, the up projection's with a `mul` post-op) on
+    small packed weights; returns "" when it matches silu(F.linear) * F.linear to fp32 rounding, else why not."""
+    from rollout.engine.packed_linear import PACK_BATCH_HINT
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(24, 16, generator=g).to(dtype) for _ in range(2))
+    x = torch.randn(5, 16, generator=g).to(dtype)
+    try:
+        gated = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(gate, PACK_BATCH_HINT), None, "swish", [], "")
+        out = torch.ops.mkldnn._linear_pointwise.binary(
+            x, gated, torch.ops.mkldnn._reorder_linear_weight(up, PACK_BATCH_HINT), None, "mul")
+    except (RuntimeError, AttributeError, NotImplementedError) as err:
+        return _first_line(err)
+    if out.dtype != dtype or not torch.allclose(out, F.silu(F.linear(x, gate)) * F.linear(x, up), rtol=1e-5,
+                                                atol=1e-6):
+        return "the fused result differs from silu(F.linear) * F.linear"
+    return ""
+
+
 def _onednn_bf16_device() -> bool | None:
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -155,12 +182,14 @@ def detect() -> CpuFeatures:
 
     onednn = torch.backends.mkldnn.is_available()
     errors = {_name(d): probe_packed_linear(d) if onednn else "torch built without oneDNN" for d in PROBE_DTYPES}
+    packed = frozenset(d for d in PROBE_DTYPES if not errors[_name(d)])
+    silu_gate = frozenset(d for d in SILU_GATE_DTYPES if d in packed and not probe_silu_gate(d))
     return CpuFeatures(
         machine=platform.machine(), cpu_name=_cpu_name(), isa=isa_flags(),
         torch_capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn,
         onednn_bf16_device=_onednn_bf16_device(),
-        packed_dtypes=frozenset(d for d in PROBE_DTYPES if not errors[_name(d)]),
-        packing_errors=tuple((name, why) for name, why in errors.items() if why), kernel=kernel_build())
+        packed_dtypes=packed, packing_errors=tuple((name, why) for name, why in errors.items() if why),
+        silu_gate_dtypes=silu_gate, kernel=kernel_build())
 
 
 @functools.lru_cache(maxsize=1)

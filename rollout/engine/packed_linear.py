@@ -8,15 +8,17 @@ a long run); packed and bucketed (below) it is a little faster and bounded.
 
 How, without changing the model: around the engine's forward only, each plain `nn.Linear` gets an instance-level
 `forward` that uses the packed copy, removed again right after; the override also checks that it runs on the thread
-of the engine's forward, so a trainer running the same module concurrently keeps `F.linear` (and its autograd).
-A TorchFunctionMode would do the same without touching instances, but it taxes every op of the forward (about 8% of a
-W1 run). Copies are keyed by the weight tensor and its version counter, so an optimizer step on a shared module
-(in-place writes bump the counter) refreshes it on the next forward; writes through `.data` do not bump it, so every
-weight update through the engine (`set_weight_version`, which `update_weights` calls) marks all copies stale. A stale
-copy is refreshed in place, in its existing buffer, by strided copies along the layout packed_layout.py derived and
-verified for its shape and dtype (for W1 in fp32: 7.3 ms instead of 49 ms for a full repack, see benchmarks/RESULTS.md);
-where no layout could be verified it is repacked in full. A freed weight frees its copy, and a weight update drops
-the copies of weights no longer in the model. The cost is one extra copy of the linear weights in RAM.
+of the engine's forward, so a trainer running the same module concurrently keeps `F.linear` (and its autograd). A
+recognized SiLU-gated MLP (silu_gate.py) gets one too, running its gate and up projections as one fused pair of
+packed matmuls. A TorchFunctionMode would do the same without touching instances, but it taxes every op of the
+forward (about 8% of a W1 run). Copies are keyed by the weight tensor and its version counter, so an optimizer step
+on a shared module (in-place writes bump the counter) refreshes it on the next forward; writes through `.data` do
+not bump it, so every weight update through the engine (`set_weight_version`, which `update_weights` calls) marks
+all copies stale. A stale copy is refreshed in place, in its existing buffer, by strided copies along the layout
+packed_layout.py derived and verified for its shape and dtype (for W1 in fp32: 7.3 ms instead of 49 ms for a full
+repack, see benchmarks/RESULTS.md); where no layout could be verified it is repacked in full. A freed weight frees
+its copy, and a weight update drops the copies of weights no longer in the model. The cost is one extra copy of the
+linear weights in RAM.
 
 Which dtypes: decided once per process by cpu_features.py, which packs a small weight of each dtype and checks the
 result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
@@ -29,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +39,18 @@ import torch.nn.functional as F
 
 from rollout.engine import packed_layout
 from rollout.engine.cpu_features import cpu_features
+from rollout.engine.silu_gate import is_silu_gated_mlp
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
-# oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to one of ~20
-# buckets, and larger inputs (prefill) run as chunks of PACKED_MAX_ROWS rows, so a long run sees a bounded set of
-# shapes.
-PACKED_MAX_ROWS = 256
+# oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to a bucket (powers of
+# two up to ROW_BUCKET, then multiples of ROW_BUCKET up to PACK_BATCH_HINT, then of WIDE_ROW_BUCKET: about 50 up to
+# 2,048 rows) and inputs over PACKED_MAX_ROWS run as chunks, so a long run sees a bounded set of shapes. A prefill
+# runs as one matmul rather than 256-row chunks: 2,016 rows of W1's MLP took 14.4 ms as chunks joined by `cat` and
+# 13.1 ms in one call (its 512-wide projections 5.8 vs 4.7 ms): the join is a copy of the whole output.
+PACKED_MAX_ROWS = 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_BUCKET = 16
+WIDE_ROW_BUCKET = 64  # the compiled forward's default query padding: its steps are already buckets, never copied
 
 
 def _linear_pointwise(*args):
@@ -57,11 +63,23 @@ def _linear_pointwise(*args):
 _LINEAR_POINTWISE = _linear_pointwise  # the op itself after the first call: one attribute lookup less per matmul
 
 
+def _linear_binary(*args):
+    """oneDNN's packed matmul with a binary post-op (`mul`: the result times `other`), looked up on first use."""
+    global _LINEAR_BINARY
+    _LINEAR_BINARY = torch.ops.mkldnn._linear_pointwise.binary
+    return _LINEAR_BINARY(*args)
+
+
+_LINEAR_BINARY = _linear_binary
+
+
 def padded_rows(rows: int) -> int:
-    """The bucket a row count is padded to: a power of two up to ROW_BUCKET, then a multiple of ROW_BUCKET."""
+    """The bucket a row count is padded to: a power of two up to ROW_BUCKET, then a multiple of ROW_BUCKET up to
+    PACK_BATCH_HINT, then a multiple of WIDE_ROW_BUCKET (a wide step wastes at most 63 rows, under 1/4 of its work)."""
     if rows <= ROW_BUCKET:
         return 1 << (rows - 1).bit_length()
-    return -(-rows // ROW_BUCKET) * ROW_BUCKET
+    step = ROW_BUCKET if rows <= PACK_BATCH_HINT else WIDE_ROW_BUCKET
+    return -(-rows // step) * step
 
 
 def packing_available(dtype: torch.dtype | None = None) -> bool:
@@ -175,14 +193,14 @@ class PackedLinears:
         self._pads.clear()
         self._overrides = None
         self._checked = None
-        live = {id(module.weight) for module, _ in self._targets()}
+        live = {id(module.weight) for module, _ in self._linear_targets()}
         for key in [key for key in self._packs if key not in live]:
             del self._packs[key]
 
     def prepare(self) -> None:
         """Pack (or refresh) now every weight the next forward would pack, so that forward pays nothing for it."""
         with torch.no_grad():
-            for module, _ in self._targets():
+            for module, _ in self._linear_targets():
                 weight = module.weight
                 if self._packable(weight):
                     self._packed(weight)
@@ -198,22 +216,38 @@ class PackedLinears:
             buf = self._pads[(rows, width, dtype)] = torch.zeros(rows, width, dtype=dtype)
         return buf
 
-    def _rows(self, flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _padded(self, flat: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`compute` on `flat` with its rows padded up to their bucket (the padding rows' outputs cut off)."""
         rows, padded = flat.shape[0], padded_rows(flat.shape[0])
         if padded != rows:
             buf = self._pad_buffer(padded, flat.shape[1], flat.dtype)
             buf[:rows].copy_(flat)
-            return _LINEAR_POINTWISE(buf, packed, bias, "none", [], "")[:rows]
-        return _LINEAR_POINTWISE(flat.contiguous(), packed, bias, "none", [], "")
+            return compute(buf)[:rows]
+        return compute(flat.contiguous())
+
+    def _row_wise(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`compute` (rows in, rows out) over the rows of `x`, in chunks of at most PACKED_MAX_ROWS rows."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= PACKED_MAX_ROWS:
+            out = self._padded(flat, compute)
+        else:
+            out = torch.cat([self._padded(chunk, compute) for chunk in flat.split(PACKED_MAX_ROWS)])
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def run(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T + bias` on the packed copy of W (from `packed_for`)."""
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= PACKED_MAX_ROWS:
-            out = self._rows(flat, packed, bias)
-        else:
-            out = torch.cat([self._rows(chunk, packed, bias) for chunk in flat.split(PACKED_MAX_ROWS)])
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return self._row_wise(x, lambda rows: _LINEAR_POINTWISE(rows, packed, bias, "none", [], ""))
+
+    def run_silu_gate(self, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,
+                      up_bias: torch.Tensor | None) -> torch.Tensor:
+        """`silu(x @ Wg.T + bg) * (x @ Wu.T + bu)` on packed copies (from `silu_gate_for`): the SiLU is a post-op of
+        the gate's matmul and the product a post-op of the up projection's, so the gated MLP's two `[rows,
+        intermediate]` activations are never read back by separate passes (W1's MLP at 2,048 rows: 30 ms instead of
+        40 ms per layer)."""
+        def compute(rows: torch.Tensor) -> torch.Tensor:
+            gated = _LINEAR_POINTWISE(rows, gate, gate_bias, "swish", [], "")
+            return _LINEAR_BINARY(rows, gated, up, up_bias, "mul")
+        return self._row_wise(x, compute)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` through the packed copy of `weight` (packed or refreshed now if needed)."""
@@ -232,6 +266,16 @@ class PackedLinears:
             return None
         return packed
 
+    def silu_gate_for(self, x: torch.Tensor, gate_weight: torch.Tensor,
+                      up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed copies that serve `run_silu_gate(x, ...)`, or None where the two linears must run apart: either
+        is not packed here (see `packed_for`), or this CPU's oneDNN failed the fused probe for the dtype
+        (cpu_features; fp32 only: bf16 keeps eager's rounding of the gate before the SiLU)."""
+        if x.dtype not in cpu_features().silu_gate_dtypes:
+            return None
+        gate, up = self.packed_for(x, gate_weight), self.packed_for(x, up_weight)
+        return None if gate is None or up is None else (gate, up)
+
     def _begin(self) -> None:
         """Make this thread's forward use the packed copies: every target weight checked (same tensor, current
         version and epoch; a stale copy refreshed) once here, so that each call is one dict lookup."""
@@ -244,7 +288,7 @@ class PackedLinears:
     def _build_table(self) -> None:
         with torch.no_grad():
             checked, table = [], {}
-            for module, _ in self._targets():
+            for module, _ in self._linear_targets():
                 weight = module._parameters.get("weight")
                 if weight is not None and self._packable(weight):
                     table[id(weight)] = self._packed(weight)
@@ -274,11 +318,33 @@ class PackedLinears:
             return this.run(x, packed, module.bias)
         return forward
 
-    def _targets(self) -> list[tuple[torch.nn.Linear, object]]:
-        if self._overrides is None:  # plain nn.Linear only: a subclass with its own forward is left alone
-            self._overrides = [(m, self._override(m)) for m in self.model.modules()
+    def _silu_gate_override(self, module: torch.nn.Module):
+        """The forward of a recognized SiLU-gated MLP (silu_gate.py): its gate and up projections as one fused
+        `run_silu_gate`, then its down projection (packed through its own override); its own forward otherwise."""
+        this = weakref.proxy(self)
+        own = type(module).forward
+
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            gate, up = module.gate_proj, module.up_proj
+            packed = None if args or kwargs else this.silu_gate_for(x, gate.weight, up.weight)
+            if packed is None:
+                return own(module, x, *args, **kwargs)
+            return module.down_proj(this.run_silu_gate(x, packed[0], gate.bias, packed[1], up.bias))
+        return forward
+
+    def _targets(self) -> list[tuple[torch.nn.Module, object]]:
+        """(module, the forward it gets inside the engine's forward): every plain nn.Linear (a subclass with its own
+        forward is left alone), then every recognized SiLU-gated MLP where this CPU fuses the gate."""
+        if self._overrides is None:
+            modules = list(self.model.modules())
+            self._overrides = [(m, self._override(m)) for m in modules
                                if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward]
+            if cpu_features().silu_gate_dtypes & self.dtypes:
+                self._overrides += [(m, self._silu_gate_override(m)) for m in modules if is_silu_gated_mlp(m)]
         return self._overrides
+
+    def _linear_targets(self) -> list[tuple[torch.nn.Linear, object]]:
+        return [(module, forward) for module, forward in self._targets() if isinstance(module, torch.nn.Linear)]
 
     def __enter__(self) -> PackedLinears:
         self._begin()

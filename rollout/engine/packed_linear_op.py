@@ -3,9 +3,11 @@
 Why an op: the eager forward swaps each `nn.Linear.forward` for a closure over a weakref and a thread-local, which
 dynamo cannot trace without a graph break per layer, and inductor's own CPU matmul on the unpacked weight is 1.3-2x
 slower than the packed one. The compiled forward's backend (compiled_forward.py) rewrites every `F.linear` of the
-traced graph into this op, so inductor fuses the norms, RoPE, SiLU*mul and residual adds around it while the matmul
-itself stays packed. The weight stays a graph input (no inductor `freezing`): a weight update in place changes what
-the next call computes, with no recompilation.
+traced graph into this op, so inductor fuses the norms, RoPE and residual adds around it while the matmul itself
+stays packed. A SiLU-gated MLP's `silu(gate(x)) * up(x)` becomes one `rollout::packed_silu_gate` where this CPU
+fuses the dtype (silu_gate.py): its SiLU and product run as oneDNN post-ops of the two matmuls. The weight stays a
+graph input (no inductor `freezing`): a weight update in place changes what the next call computes, with no
+recompilation.
 
 The op finds the engine's PackedLinears through `active_linears`, set around the compiled call on the stepping
 thread: a graph holds no reference to an engine, so compiled graphs stay shareable and cacheable across engines and
@@ -15,6 +17,7 @@ processes. Without an active PackedLinears (prepack_weights=False, or a dtype th
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Iterator
 
@@ -50,8 +53,23 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return linears.run(x, packed, bias)
 
 
+def packed_silu_gate(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
+                     up_weight: torch.Tensor, up_bias: torch.Tensor | None) -> torch.Tensor:
+    """`silu(F.linear(x, gate...)) * F.linear(x, up...)`: one fused pair of packed matmuls where this thread's engine
+    packs both weights and this CPU fuses the dtype (PackedLinears.run_silu_gate), else the two linears apart."""
+    linears: PackedLinears | None = getattr(_active, "linears", None)
+    packed = linears.silu_gate_for(x, gate_weight, up_weight) if linears is not None else None
+    if packed is None:
+        return F.silu(packed_linear(x, gate_weight, gate_bias)) * packed_linear(x, up_weight, up_bias)
+    return linears.run_silu_gate(x, packed[0], gate_bias, packed[1], up_bias)
+
+
 def _fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _fake_silu_gate(x, gate_weight, gate_bias, up_weight, up_bias):
+    return x.new_empty(*x.shape[:-1], gate_weight.shape[0])
 
 
 # Defined with torch.library.Library rather than @custom_op: the op runs ~60 times per forward, and the custom_op
@@ -60,24 +78,81 @@ _LIBRARY = torch.library.Library("rollout", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("rollout::packed_linear", _fake, lib=_LIBRARY)
+_LIBRARY.define("packed_silu_gate(Tensor x, Tensor gate_weight, Tensor? gate_bias, Tensor up_weight, "
+                "Tensor? up_bias) -> Tensor")
+_LIBRARY.impl("packed_silu_gate", packed_silu_gate, "CompositeExplicitAutograd")
+torch.library.register_fake("rollout::packed_silu_gate", _fake_silu_gate, lib=_LIBRARY)
 
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
+SILU_TARGETS = (F.silu, torch._C._nn.silu, torch.ops.aten.silu.default)
+MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 
 
 def use_packed_linears(gm: torch.fx.GraphModule) -> int:
-    """Rewrite the `F.linear` calls of a dynamo graph into `rollout::packed_linear`; returns how many."""
+    """Rewrite the `F.linear` calls of a dynamo graph into `rollout::packed_linear` (after `use_silu_gates` has taken
+    the gated MLPs' gate and up projections); returns how many."""
     count = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+        linear = _linear_args(node)
+        if linear is None:
             continue
-        args = list(node.args) + [None] * (3 - len(node.args))
-        x = node.kwargs.get("input", args[0])
-        weight = node.kwargs.get("weight", args[1])
-        bias = node.kwargs.get("bias", args[2])
         node.target = torch.ops.rollout.packed_linear.default
-        node.args, node.kwargs = (x, weight, bias), {}
+        node.args, node.kwargs = linear, {}
         count += 1
     if count:
         gm.recompile()
     return count
+
+
+def use_silu_gates(gm: torch.fx.GraphModule, dtypes: frozenset[torch.dtype]) -> int:
+    """Rewrite each `silu(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu)` of a dynamo graph whose weights have one of
+    `dtypes` (those this CPU fuses, see cpu_features) into `rollout::packed_silu_gate`; returns how many. Only when the
+    two linears and the SiLU feed nothing else: their values are never materialized."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        gate_up = _silu_gate_args(node, dtypes) if node.op == "call_function" and node.target in MUL_TARGETS else None
+        if gate_up is None:
+            continue
+        silu_node, gate_node, up_node, args = gate_up
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(torch.ops.rollout.packed_silu_gate.default, args)
+        fused.meta.update(node.meta)
+        node.replace_all_uses_with(fused)
+        for dead in (node, silu_node, gate_node, up_node):
+            gm.graph.erase_node(dead)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _linear_args(node: torch.fx.Node) -> tuple | None:
+    """(x, weight, bias) of an `F.linear` call node, else None."""
+    if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+        return None
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+
+
+def _silu_gate_args(mul: torch.fx.Node, dtypes: frozenset[torch.dtype]):
+    """For `mul` = silu(linear(x, Wg, bg)) * linear(x, Wu, bu) (either order): (silu node, gate node, up node,
+    (x, Wg, bg, Wu, bu)); else None."""
+    if len(mul.args) != 2 or mul.kwargs:
+        return None
+    for silu_node, up_node in (mul.args, mul.args[::-1]):
+        if not (isinstance(silu_node, torch.fx.Node) and silu_node.op == "call_function"
+                and silu_node.target in SILU_TARGETS and not silu_node.kwargs.get("inplace", False)
+                and isinstance(silu_node.args[0], torch.fx.Node) and isinstance(up_node, torch.fx.Node)):
+            continue
+        gate_node = silu_node.args[0]
+        gate, up = _linear_args(gate_node), _linear_args(up_node)
+        if gate is None or up is None or gate[0] is not up[0] or gate_node is up_node:
+            continue
+        if any(len(n.users) != 1 for n in (gate_node, silu_node, up_node)):
+            continue
+        example = gate_node.meta.get("example_value")
+        if getattr(example, "dtype", None) not in dtypes:
+            continue
+        return silu_node, gate_node, up_node, (gate[0], gate[1], gate[2], up[1], up[2])
+    return None
