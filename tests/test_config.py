@@ -91,10 +91,10 @@ def test_safety_margin_defaults_per_scheduler():
 
 
 def test_max_batch_tokens_default_and_explicit():
-    """The inferred budget is 2048 on CPU (8192 on GPU, never below 256 when capped by memory); an explicit value is
+    """The inferred budget is 512 on CPU (8192 on GPU, never below 256 when capped by memory); an explicit value is
     honoured as given, so tiny budgets can force chunked prefill."""
     cpu = torch.device("cpu")
-    assert ContinuousBatchingConfig().resolve_batch_tokens(cpu) == 2048
+    assert ContinuousBatchingConfig().resolve_batch_tokens(cpu) == 512
     assert ContinuousBatchingConfig(max_batch_tokens=16).resolve_batch_tokens(cpu) == 16
     assert ContinuousBatchingConfig(max_batch_tokens=1000).resolve_batch_tokens(cpu) == 1000
     with pytest.raises(ValueError, match="max_batch_tokens"):
