@@ -85,6 +85,67 @@ def _assert_matches_dense(dtype, tol, heads, kv_heads, head_dim, window, softcap
     assert (out.double() - ref).abs().max().item() < tol
 
 
+def _shared_key_batch(page, seed):
+    """Tokens that read the same keys, in shuffled order: eight samples forked from one prompt (two shared pages, then
+    pages of their own; one sits right at the end of the shared keys), three forks of another prompt, a 40-token
+    prefill chunk of one row, and a token alone."""
+    g = torch.Generator().manual_seed(seed)
+    free = iter(torch.randperm(200, generator=g).tolist())
+    tables, rows = [], []  # rows: (table row, positions)
+    for forks, shared_pages, own in ((8, 2, [0, 1, 3, 9, 17, 30, 31, 45]), (3, 1, [2, 20, 7])):
+        prompt = [next(free) for _ in range(shared_pages)]
+        for extra in own[:forks]:
+            position = shared_pages * page + extra - 1 if extra else shared_pages * page - 1
+            tables.append(prompt + [next(free) for _ in range(position // page + 1 - shared_pages)])
+            rows.append((len(tables) - 1, [position]))
+    tables.append([next(free) for _ in range(60 // page + 1)])
+    rows.append((len(tables) - 1, list(range(5, 45))))
+    tables.append([next(free) for _ in range(3)])
+    rows.append((len(tables) - 1, [2 * page + 1]))
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    token_rows = torch.tensor([r for r, positions in rows for _ in positions])
+    positions = torch.tensor([p for _, ps in rows for p in ps])
+    order = torch.randperm(len(positions), generator=g)
+    return KernelBatch(positions[order], token_rows[order], table)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tol", list(TOLERANCE.items()))
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (8, 2, 40), (32, 1, 64)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (9, None), (None, 20.0)])
+def test_tokens_sharing_keys_match_dense_attention(dtype, tol, heads, kv_heads, head_dim, window, softcap):
+    """Forked samples and prefill chunks are served as groups (16 query heads per key, each member's own pages on
+    the side); every grouping the batch allows (2, 4 or 1 query heads per kv head, and 32, too many to group) equals
+    the float64 reference."""
+    page = 8
+    batch = _shared_key_batch(page, seed=head_dim + heads)
+    k_cache = torch.randn(200 * page, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(200 * page, kv_heads, head_dim).to(dtype)
+    q = torch.randn(len(batch.positions), heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, batch, page, scale, window, softcap)
+    ref = _dense_reference(q, k_cache, v_cache, batch.positions, batch.token_rows, batch.tables, page, scale, window,
+                           softcap)
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+@needs_kernel
+def test_grouped_tokens_use_every_thread_setting_alike():
+    batch = _shared_key_batch(8, seed=1)
+    k_cache, v_cache = torch.randn(200 * 8, 4, 64), torch.randn(200 * 8, 4, 64)
+    q = torch.randn(len(batch.positions), 8, 64)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(paged_attention(q, k_cache, v_cache, batch, 8, 0.125, None, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
 @needs_kernel
 def test_kernel_uses_every_thread_setting_alike():
     _assert_thread_count_independent()

@@ -4,6 +4,11 @@
  * Why a kernel: in PyTorch ops the pages must first be gathered into a contiguous buffer (a read and a write of every
  * key and value), then read again by SDPA. Here each key and value is read once, where it lies.
  *
+ * Tokens that read the same keys are served together (attend_group): the tokens of a prefill chunk, and decode tokens
+ * of samples forked from one prompt, whose first pages are the same blocks. Then each key is loaded once for up to
+ * 16 query heads and the dot products run across them, one FMA per dimension, with no horizontal sums. A token
+ * alone (attend) walks its keys with one dot product per head.
+ *
  * Layout: q [T, H, D] with any token and head strides (unit stride within a head); out [T, H, D] contiguous;
  * k_cache and v_cache [slots, KVH, D] with slot = block * P + offset; tables [R, max_blocks] (int64 block ids per
  * row), token_rows [T] (row of each token), positions [T] (the token's position: it attends to keys 0..position of
@@ -13,10 +18,11 @@
  * torch's OpenMP runtime: libgomp is already loaded under the same soname when this library is opened).
  *
  * Portable C only, no intrinsics: the vector ISA is whatever -march the build asks for (native by default, or
- * ROLLOUT_KERNEL_MARCH, e.g. x86-64-v2 / x86-64-v3), reached through auto-vectorization. Without OpenMP (a compiler
- * that rejects -fopenmp) the pragmas are ignored and the kernel runs single-threaded with the same results: the
- * work items and their arithmetic do not depend on the thread count. rollout_kernel_features() reports what this
- * build has, so the loader can refuse a library whose ISA the running CPU lacks (it would die on SIGILL).
+ * ROLLOUT_KERNEL_MARCH, e.g. x86-64-v2 / x86-64-v3), reached through auto-vectorization and GCC/Clang vector
+ * types (16 floats, lowered to whatever registers the target has). Without OpenMP (a compiler that rejects -fopenmp)
+ * the pragmas are ignored and the kernel runs single-threaded with the same results: the groups, the work items and
+ * their arithmetic depend on the batch, never on the thread count. rollout_kernel_features() reports what this build
+ * has, so the loader can refuse a library whose ISA the running CPU lacks (it would die on SIGILL).
  */
 #include <math.h>
 #include <stdint.h>
@@ -135,6 +141,238 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+/* ---------------------------------------------------------------------------------------------- shared-key tiles
+ * Tokens that read the same keys are served together: the tokens of one row (a prefill chunk) and decode tokens of
+ * rows whose first pages are the same blocks (samples forked from one prompt). Their query heads of one kv head are
+ * laid side by side in LANES lanes, so each key is loaded once and meets all of them in one vector FMA per
+ * dimension, with no horizontal sums; the scores are kept key-major, one vector per key, so the softmax and the
+ * weighted values run across lanes too. What a member reads alone (a fork's own pages) goes through attend(). */
+#define LANES 16
+#define CHUNK 8 /* keys read at a time across an item's kv heads (and widened from bf16) */
+#define NEG_SCORE (-1e30f) /* a masked key (finite: -ffast-math assumes no infinities) */
+#ifdef __AVX512F__
+#define KEY_BLOCK 8 /* keys scored at once: independent FMA chains, as many as the vector registers hold */
+#else
+#define KEY_BLOCK 4
+#endif
+#define DIM_BLOCK 8 /* dimensions of the weighted values accumulated in registers over a run of keys */
+
+typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline lanes_t splat(float x) {
+    lanes_t v;
+    for (int l = 0; l < LANES; l++) v[l] = x;
+    return v;
+}
+
+typedef struct {
+    int64_t first;   /* the group's members are order[first, first + count) */
+    int64_t count;
+    int64_t shared;  /* keys [0, shared) are the same slots for every member and seen by all of them */
+    int64_t longest; /* the largest member position + 1 */
+    int one_row;     /* all members in one row: every key is shared, later keys masked per member */
+} group_t;
+
+/* Rows of `n` keys (or values) of kv head `kv` from slot `base + pos` on, as floats with a row stride: fp32 rows in
+ * place, bf16 rows widened into `buf` (CHUNK rows). */
+static inline const float *key_rows(const void *cache, int64_t slot, int64_t n, int64_t kv, int64_t num_kv_heads,
+                                    int64_t d, int dtype, float *buf, int64_t *stride) {
+    if (dtype == DTYPE_F32) {
+        *stride = num_kv_heads * d;
+        return (const float *)cache + (slot * num_kv_heads + kv) * d;
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *src = (const uint16_t *)cache + ((slot + r) * num_kv_heads + kv) * d;
+        for (int64_t i = 0; i < d; i++) buf[r * d + i] = bf16_to_f32(src[i]);
+    }
+    *stride = d;
+    return buf;
+}
+
+/* scores[r] = qT . key r, for `n` keys: KEY_BLOCK keys at a time so their FMA chains overlap. */
+static inline __attribute__((always_inline)) void score_keys(const lanes_t *qT, const float *rows, int64_t stride,
+                                                             int64_t n, int64_t d, lanes_t *scores) {
+    int64_t r = 0;
+    for (; r + KEY_BLOCK <= n; r += KEY_BLOCK) {
+        lanes_t a[KEY_BLOCK];
+        for (int b = 0; b < KEY_BLOCK; b++) a[b] = splat(0.f);
+        for (int64_t i = 0; i < d; i++) {
+            const lanes_t qi = qT[i];
+            for (int b = 0; b < KEY_BLOCK; b++) a[b] += qi * rows[(r + b) * stride + i];
+        }
+        for (int b = 0; b < KEY_BLOCK; b++) scores[r + b] = a[b];
+    }
+    for (; r < n; r++) {
+        lanes_t a = splat(0.f);
+        for (int64_t i = 0; i < d; i++) a += qT[i] * rows[r * stride + i];
+        scores[r] = a;
+    }
+}
+
+/* accT[i] += sum over keys r of probs[r] * value r [i]: DIM_BLOCK accumulators stay in registers across the keys. */
+static inline __attribute__((always_inline)) void weigh_values(const lanes_t *probs, const float *rows,
+                                                               int64_t stride, int64_t n, int64_t d, lanes_t *accT) {
+    int64_t i0 = 0;
+    for (; i0 + DIM_BLOCK <= d; i0 += DIM_BLOCK) {
+        lanes_t a[DIM_BLOCK];
+        for (int b = 0; b < DIM_BLOCK; b++) a[b] = accT[i0 + b];
+        for (int64_t r = 0; r < n; r++) {
+            const lanes_t p = probs[r];
+            const float *v = rows + r * stride + i0;
+            for (int b = 0; b < DIM_BLOCK; b++) a[b] += p * v[b];
+        }
+        for (int b = 0; b < DIM_BLOCK; b++) accT[i0 + b] = a[b];
+    }
+    for (; i0 < d; i0++)
+        for (int64_t r = 0; r < n; r++) accT[i0] += probs[r] * rows[r * stride + i0];
+}
+
+/* Attention of a group's members for the query heads of kv heads [kv_first, kv_first + kv_count). For kv head k
+ * (counted from kv_first), lane j * G + g holds member j's head (kv_first + k) * G + g. Keys are walked a few slots
+ * at a time across all the item's kv heads, so each slot is read front to back. Scratch, per kv head: `sc` longest
+ * lanes, `qT` and `accT` d lanes, `qrows` and `tail` LANES * d floats; `buf` CHUNK * d floats, `tmp` d floats. */
+static inline __attribute__((always_inline)) void attend_group(
+    const group_t *group, const int64_t *order, const void *q, int64_t q_token_stride, int64_t q_head_stride,
+    void *out, const void *k_cache, const void *v_cache, const int64_t *tables, int64_t max_blocks,
+    const int64_t *token_rows, const int64_t *positions, int64_t kv_first, int64_t kv_count, int64_t num_heads,
+    int64_t num_kv_heads, int64_t d, int64_t page, float scale, float softcap, int dtype, lanes_t *sc, lanes_t *qT,
+    lanes_t *accT, float *qrows, float *tail, float *buf, float *tmp) {
+    const int64_t g_heads = num_heads / num_kv_heads, members = group->count, lanes = members * g_heads;
+    const int64_t shared = group->shared, longest = group->longest;
+    const float q_scale = softcap > 0.f ? 1.f : scale;
+    const int64_t *leader = tables + token_rows[order[group->first]] * max_blocks;
+#define SC(k) (sc + (k) * longest)
+#define QT(k) (qT + (k) * d)
+#define ACC(k) (accT + (k) * d)
+#define QROWS(k) (qrows + (k) * LANES * d)
+#define TAIL(k) (tail + (k) * LANES * d)
+
+    for (int64_t k = 0; k < kv_count; k++) {
+        for (int64_t i = 0; i < d; i++) QT(k)[i] = splat(0.f), ACC(k)[i] = splat(0.f);
+        memset(TAIL(k), 0, sizeof(float) * lanes * d);
+        for (int64_t j = 0; j < members; j++)
+            for (int64_t g = 0; g < g_heads; g++) {
+                const int64_t lane = j * g_heads + g, head = (kv_first + k) * g_heads + g;
+                const float *src = row_f32(q, order[group->first + j] * q_token_stride + head * q_head_stride, d,
+                                           dtype, tmp);
+                for (int64_t i = 0; i < d; i++) {
+                    QROWS(k)[lane * d + i] = src[i] * q_scale;
+                    QT(k)[i][lane] = src[i] * q_scale;
+                }
+            }
+    }
+    /* shared keys: one FMA per dimension serves every lane */
+    for (int64_t pos = 0, base, stop; pos < shared; pos = stop) {
+        stop = page_run(leader, pos, shared, page, &base);
+        for (int64_t c = pos; c < stop; c += CHUNK) {
+            const int64_t n = stop - c < CHUNK ? stop - c : CHUNK;
+            for (int64_t k = 0; k < kv_count; k++) {
+                int64_t stride;
+                const float *rows = key_rows(k_cache, base + c, n, kv_first + k, num_kv_heads, d, dtype, buf,
+                                             &stride);
+                score_keys(QT(k), rows, stride, n, d, SC(k) + c);
+                if (softcap > 0.f)
+                    for (int64_t p = c; p < c + n; p++) {
+                        float *s = (float *)(SC(k) + p);
+#pragma omp simd
+                        for (int l = 0; l < LANES; l++) s[l] = softcap * tanhf(s[l] * scale / softcap);
+                    }
+            }
+        }
+    }
+    /* each member's own keys past the shared ones; keys past a member's position are masked */
+    for (int64_t k = 0; k < kv_count; k++) {
+        if (group->one_row) {
+            for (int64_t j = 0; j < members; j++)
+                for (int64_t p = positions[order[group->first + j]] + 1; p < longest; p++)
+                    for (int64_t g = 0; g < g_heads; g++) SC(k)[p][j * g_heads + g] = NEG_SCORE;
+        } else {
+            for (int64_t p = shared; p < longest; p++) SC(k)[p] = splat(NEG_SCORE);
+        }
+    }
+    for (int64_t j = 0; j < members && !group->one_row; j++) {
+        const int64_t t = order[group->first + j], end = positions[t] + 1;
+        const int64_t *table = tables + token_rows[t] * max_blocks;
+        for (int64_t pos = shared, base, stop; pos < end;)
+            for (stop = page_run(table, pos, end, page, &base); pos < stop; pos++)
+                for (int64_t k = 0; k < kv_count; k++) {
+                    const float *key = row_f32(k_cache, ((base + pos) * num_kv_heads + kv_first + k) * d, d, dtype,
+                                               tmp);
+                    for (int64_t g = 0; g < g_heads; g++) {
+                        const int64_t lane = j * g_heads + g;
+                        const float score = dot(QROWS(k) + lane * d, key, d);
+                        SC(k)[pos][lane] = softcap > 0.f ? softcap * tanhf(score * scale / softcap) : score;
+                    }
+                }
+    }
+    /* softmax per lane, across the lanes at once; the normaliser is applied at the end */
+    float sums[kv_count][LANES];
+    for (int64_t k = 0; k < kv_count; k++) {
+        float top[LANES];
+        for (int l = 0; l < LANES; l++) top[l] = SC(k)[0][l], sums[k][l] = 0.f;
+        for (int64_t p = 1; p < longest; p++) {
+            const float *s = (const float *)(SC(k) + p);
+#pragma omp simd
+            for (int l = 0; l < LANES; l++) top[l] = s[l] > top[l] ? s[l] : top[l];
+        }
+        for (int64_t p = 0; p < longest; p++) {
+            float *s = (float *)(SC(k) + p);
+#pragma omp simd
+            for (int l = 0; l < LANES; l++) {
+                s[l] = expf(s[l] - top[l]);
+                sums[k][l] += s[l];
+            }
+        }
+    }
+    /* weighted values: shared keys across the lanes, then each member's own */
+    for (int64_t pos = 0, base, stop; pos < shared; pos = stop) {
+        stop = page_run(leader, pos, shared, page, &base);
+        for (int64_t c = pos; c < stop; c += CHUNK) {
+            const int64_t n = stop - c < CHUNK ? stop - c : CHUNK;
+            for (int64_t k = 0; k < kv_count; k++) {
+                int64_t stride;
+                const float *rows = key_rows(v_cache, base + c, n, kv_first + k, num_kv_heads, d, dtype, buf,
+                                             &stride);
+                weigh_values(SC(k) + c, rows, stride, n, d, ACC(k));
+            }
+        }
+    }
+    for (int64_t j = 0; j < members && !group->one_row; j++) {
+        const int64_t t = order[group->first + j], end = positions[t] + 1;
+        const int64_t *table = tables + token_rows[t] * max_blocks;
+        for (int64_t pos = shared, base, stop; pos < end;)
+            for (stop = page_run(table, pos, end, page, &base); pos < stop; pos++)
+                for (int64_t k = 0; k < kv_count; k++) {
+                    const float *v = row_f32(v_cache, ((base + pos) * num_kv_heads + kv_first + k) * d, d, dtype,
+                                             tmp);
+                    for (int64_t g = 0; g < g_heads; g++) {
+                        const int64_t lane = j * g_heads + g;
+                        axpy(TAIL(k) + lane * d, SC(k)[pos][lane], v, d);
+                    }
+                }
+    }
+    for (int64_t k = 0; k < kv_count; k++)
+        for (int64_t j = 0; j < members; j++)
+            for (int64_t g = 0; g < g_heads; g++) {
+                const int64_t lane = j * g_heads + g;
+                const float inv = 1.f / sums[k][lane];
+                const int64_t o = (order[group->first + j] * num_heads + (kv_first + k) * g_heads + g) * d;
+                if (dtype == DTYPE_F32) {
+                    float *dst = (float *)out + o;
+                    for (int64_t i = 0; i < d; i++) dst[i] = (ACC(k)[i][lane] + TAIL(k)[lane * d + i]) * inv;
+                } else {
+                    uint16_t *dst = (uint16_t *)out + o;
+                    for (int64_t i = 0; i < d; i++)
+                        dst[i] = f32_to_bf16((ACC(k)[i][lane] + TAIL(k)[lane * d + i]) * inv);
+                }
+            }
+#undef SC
+#undef QT
+#undef ACC
+#undef QROWS
+#undef TAIL
+}
+
 /* Bits of rollout_kernel_features(): what the compiler targeted for this build (its predefined macros). */
 #define FEATURE_OPENMP 1
 #define FEATURE_SSE4_2 2
@@ -174,52 +412,156 @@ int rollout_kernel_features(void) {
     return features;
 }
 
-/* Returns 0, or -1 when a thread could not get its scratch memory. */
+/* ----------------------------------------------------------------------------------------------------- the call */
+typedef struct {
+    int64_t first_block, row, position, token;
+} token_key_t;
+
+static int compare_tokens(const void *a, const void *b) {
+    const token_key_t *x = a, *y = b;
+    if (x->first_block != y->first_block) return x->first_block < y->first_block ? -1 : 1;
+    if (x->row != y->row) return x->row < y->row ? -1 : 1;
+    if (x->position != y->position) return x->position < y->position ? -1 : 1;
+    return x->token < y->token ? -1 : (x->token > y->token);
+}
+
+/* Tokens in key order (first block, row, position), then cut into groups of tokens that read the same keys. A group
+ * whose lanes would be mostly idle is split into single tokens, which attend() serves faster. Depends only on the
+ * batch, never on the thread count. Returns the number of groups, or -1 when out of memory. */
+static int64_t make_groups(const int64_t *positions, const int64_t *token_rows, const int64_t *tables,
+                           int64_t num_tokens, int64_t max_blocks, int64_t g_heads, int64_t page, int64_t window,
+                           int64_t *order, group_t *groups) {
+    token_key_t *keys = malloc(sizeof(token_key_t) * (num_tokens ? num_tokens : 1));
+    if (!keys) return -1;
+    for (int64_t t = 0; t < num_tokens; t++)
+        keys[t] = (token_key_t){tables[token_rows[t] * max_blocks], token_rows[t], positions[t], t};
+    qsort(keys, num_tokens, sizeof *keys, compare_tokens);
+    for (int64_t i = 0; i < num_tokens; i++) order[i] = keys[i].token;
+    free(keys);
+
+    const int64_t max_members = (window > 0 || g_heads > LANES) ? 1 : LANES / g_heads;
+    int64_t count = 0;
+    for (int64_t i = 0; i < num_tokens;) {
+        const int64_t lead = order[i], *lead_table = tables + token_rows[lead] * max_blocks;
+        int64_t n = 1, one_row = 1, shared = positions[lead] + 1, longest = positions[lead] + 1;
+        for (; i + n < num_tokens && n < max_members; n++) {
+            const int64_t t = order[i + n], row = token_rows[t], last = token_rows[order[i + n - 1]];
+            const int64_t *table = tables + row * max_blocks;
+            if (table[0] != lead_table[0]) break;
+            if (row == token_rows[lead] ? !one_row : row == last) break; /* one row, or distinct rows */
+            if (row != token_rows[lead]) {
+                int64_t blocks = 0, limit = shared < positions[t] + 1 ? shared : positions[t] + 1;
+                while (blocks * page < limit && table[blocks] == lead_table[blocks]) blocks++;
+                shared = blocks * page < limit ? blocks * page : limit;
+                one_row = 0;
+            }
+            if (positions[t] + 1 > longest) longest = positions[t] + 1;
+        }
+        if (one_row) shared = longest;
+        if (n * g_heads >= LANES / 2 && shared > 0) {
+            groups[count++] = (group_t){i, n, shared, longest, (int)one_row};
+        } else {
+            for (int64_t j = 0; j < n; j++)
+                groups[count++] = (group_t){i + j, 1, 0, positions[order[i + j]] + 1, 1};
+        }
+        i += n;
+    }
+    return count;
+}
+
+/* 64-byte aligned memory for `bytes` (NULL for 0 bytes). */
+static void *scratch(size_t bytes) {
+    return bytes ? aligned_alloc(64, (bytes + 63) / 64 * 64) : NULL;
+}
+
+/* Returns 0, or -1 when memory for the work split or a thread's scratch could not be had. */
 int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_head_stride, void *out,
                             const void *k_cache, const void *v_cache,
                             const int64_t *positions, const int64_t *token_rows, const int64_t *tables,
                             int64_t num_tokens, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t page_size, float scale, int64_t window, float softcap,
                             int dtype, int num_threads) {
+    const int64_t g_heads = num_heads / num_kv_heads;
     int64_t longest = 1;
     for (int64_t t = 0; t < num_tokens; t++) longest = positions[t] + 1 > longest ? positions[t] + 1 : longest;
-    /* One item per token (all its kv heads: pages are read front to back) when there are enough tokens to keep every
-     * thread busy; otherwise one item per (token, kv head). */
-    const int64_t kv_per_item = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
-    const int64_t items_per_token = num_kv_heads / kv_per_item;
-    const int64_t items = num_tokens * items_per_token;
-    int failed = 0;
+    int64_t *order = malloc(sizeof(int64_t) * (num_tokens ? num_tokens : 1));
+    group_t *groups = malloc(sizeof(group_t) * (num_tokens ? num_tokens : 1));
+    const int64_t num_groups = order && groups ? make_groups(positions, token_rows, tables, num_tokens, max_blocks,
+                                                             g_heads, page_size, window, order, groups) : -1;
+    if (num_groups < 0) {
+        free(order);
+        free(groups);
+        return -1;
+    }
+    /* One item per group and all its kv heads (pages are then read front to back) when there are enough groups to
+     * keep every thread busy; otherwise one item per (group, kv head). */
+    const int64_t kv_per_item = num_groups >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t items_per_group = num_kv_heads / kv_per_item;
+    const int64_t items = num_groups * items_per_group;
+    int grouped = 0, failed = 0;
+    for (int64_t i = 0; i < num_groups; i++) grouped |= groups[i].count > 1;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * num_heads * longest);
-        float *qf = malloc(sizeof(float) * num_heads * head_dim);
-        float *acc = malloc(sizeof(float) * num_heads * head_dim);
-        float *tmp = malloc(sizeof(float) * head_dim);
-        if (!scores || !qf || !acc || !tmp) failed = 1;
+        float *scores = scratch(sizeof(float) * num_heads * longest);
+        float *qf = scratch(sizeof(float) * num_heads * head_dim);
+        float *acc = scratch(sizeof(float) * num_heads * head_dim);
+        float *tmp = scratch(sizeof(float) * head_dim);
+        /* group scratch only when a group is served (scratch(0) is NULL, and free(NULL) does nothing) */
+        const int64_t kvh = grouped ? num_kv_heads : 0;
+        lanes_t *sc = scratch(sizeof(lanes_t) * kvh * longest);
+        lanes_t *qT = scratch(sizeof(lanes_t) * kvh * head_dim);
+        lanes_t *accT = scratch(sizeof(lanes_t) * kvh * head_dim);
+        float *qrows = scratch(sizeof(float) * kvh * LANES * head_dim);
+        float *tail = scratch(sizeof(float) * kvh * LANES * head_dim);
+        float *buf = scratch(sizeof(float) * (grouped ? CHUNK : 0) * head_dim);
+        if (!scores || !qf || !acc || !tmp || (grouped && (!sc || !qT || !accT || !qrows || !tail || !buf)))
+            failed = 1;
         /* every thread takes part in the loop (a worksharing construct must be met by all of them) */
 #pragma omp for schedule(dynamic, 2)
         for (int64_t item = 0; item < items; item++) {
             if (failed) continue;
-            const int64_t t = item / items_per_token;
-            const int64_t kv_first = (item % items_per_token) * kv_per_item;
-            const int64_t *table = tables + token_rows[t] * max_blocks;
-            /* a constant head_dim lets the compiler unroll the dot products and axpys completely */
+            const group_t *group = groups + item / items_per_group;
+            const int64_t kv = (item % items_per_group) * kv_per_item;
+            /* a constant head_dim lets the compiler unroll the inner loops completely */
 #define ATTEND(D)                                                                                                 \
-    attend(q, t * q_token_stride, q_head_stride, out, k_cache, v_cache, table, t, kv_first, kv_per_item,           \
-           positions[t], num_heads, num_kv_heads, D, page_size, scale, window, softcap, dtype, scores, qf, acc, tmp)
-            if (head_dim == 64)
-                ATTEND(64);
-            else if (head_dim == 128)
-                ATTEND(128);
-            else
-                ATTEND(head_dim);
+    attend(q, t * q_token_stride, q_head_stride, out, k_cache, v_cache, table, t, kv, kv_count, positions[t],     \
+           num_heads, num_kv_heads, D, page_size, scale, window, softcap, dtype, scores, qf, acc, tmp)
+#define ATTEND_GROUP(D)                                                                                           \
+    attend_group(group, order, q, q_token_stride, q_head_stride, out, k_cache, v_cache, tables, max_blocks,        \
+                 token_rows, positions, kv, kv_per_item, num_heads, num_kv_heads, D, page_size, scale, softcap,    \
+                 dtype, sc, qT, accT, qrows, tail, buf, tmp)
+            if (group->count == 1) {
+                const int64_t t = order[group->first], kv_count = kv_per_item;
+                const int64_t *table = tables + token_rows[t] * max_blocks;
+                if (head_dim == 64)
+                    ATTEND(64);
+                else if (head_dim == 128)
+                    ATTEND(128);
+                else
+                    ATTEND(head_dim);
+            } else if (head_dim == 64) {
+                ATTEND_GROUP(64);
+            } else if (head_dim == 128) {
+                ATTEND_GROUP(128);
+            } else {
+                ATTEND_GROUP(head_dim);
+            }
 #undef ATTEND
+#undef ATTEND_GROUP
         }
         free(scores);
         free(qf);
         free(acc);
         free(tmp);
+        free(sc);
+        free(qT);
+        free(accT);
+        free(qrows);
+        free(tail);
+        free(buf);
     }
+    free(order);
+    free(groups);
     return failed ? -1 : 0;
 }
