@@ -131,37 +131,26 @@ def test_tokens_sharing_keys_match_dense_attention(dtype, tol, heads, kv_heads, 
 
 
 @needs_kernel
-def test_grouped_tokens_use_every_thread_setting_alike():
-    batch = _shared_key_batch(8, seed=1)
-    k_cache, v_cache = torch.randn(200 * 8, 4, 64), torch.randn(200 * 8, 4, 64)
-    q = torch.randn(len(batch.positions), 8, 64)
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results.append(paged_attention(q, k_cache, v_cache, batch, 8, 0.125, None, None))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
-
-
-@needs_kernel
 def test_kernel_uses_every_thread_setting_alike():
     _assert_thread_count_independent()
 
 
-def _assert_thread_count_independent():
-    """Work is split across OpenMP threads by (token, kv head): the result cannot depend on the thread count."""
-    batch = _step_like_batch(16, 64, seed=3)
-    k_cache, v_cache = torch.randn(64 * 16, 2, 64), torch.randn(64 * 16, 2, 64)
+@needs_kernel
+def test_grouped_tokens_use_every_thread_setting_alike():
+    _assert_thread_count_independent(_shared_key_batch(8, seed=1), page=8, kv_heads=4, blocks=200)
+
+
+def _assert_thread_count_independent(batch=None, page=16, kv_heads=2, blocks=64):
+    """Work is split across OpenMP threads by (token group, kv heads): the result cannot depend on the thread count."""
+    batch = batch if batch is not None else _step_like_batch(16, 64, seed=3)
+    k_cache, v_cache = torch.randn(blocks * page, kv_heads, 64), torch.randn(blocks * page, kv_heads, 64)
     q = torch.randn(len(batch.positions), 8, 64)
     before = torch.get_num_threads()
     try:
         results = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            results.append(paged_attention(q, k_cache, v_cache, batch, 16, 0.125, None, None))
+            results.append(paged_attention(q, k_cache, v_cache, batch, page, 0.125, None, None))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

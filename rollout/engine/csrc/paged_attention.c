@@ -227,96 +227,134 @@ static inline __attribute__((always_inline)) void weigh_values(const lanes_t *pr
         for (int64_t r = 0; r < n; r++) accT[i0] += probs[r] * rows[r * stride + i0];
 }
 
-/* Attention of a group's members for the query heads of kv heads [kv_first, kv_first + kv_count). For kv head k
- * (counted from kv_first), lane j * G + g holds member j's head (kv_first + k) * G + g. Keys are walked a few slots
- * at a time across all the item's kv heads, so each slot is read front to back. Scratch, per kv head: `sc` longest
- * lanes, `qT` and `accT` d lanes, `qrows` and `tail` LANES * d floats; `buf` CHUNK * d floats, `tmp` d floats. */
-static inline __attribute__((always_inline)) void attend_group(
-    const group_t *group, const int64_t *order, const void *q, int64_t q_token_stride, int64_t q_head_stride,
-    void *out, const void *k_cache, const void *v_cache, const int64_t *tables, int64_t max_blocks,
-    const int64_t *token_rows, const int64_t *positions, int64_t kv_first, int64_t kv_count, int64_t num_heads,
-    int64_t num_kv_heads, int64_t d, int64_t page, float scale, float softcap, int dtype, lanes_t *sc, lanes_t *qT,
-    lanes_t *accT, float *qrows, float *tail, float *buf, float *tmp) {
-    const int64_t g_heads = num_heads / num_kv_heads, members = group->count, lanes = members * g_heads;
-    const int64_t shared = group->shared, longest = group->longest;
-    const float q_scale = softcap > 0.f ? 1.f : scale;
-    const int64_t *leader = tables + token_rows[order[group->first]] * max_blocks;
-#define SC(k) (sc + (k) * longest)
-#define QT(k) (qT + (k) * d)
-#define ACC(k) (accT + (k) * d)
-#define QROWS(k) (qrows + (k) * LANES * d)
-#define TAIL(k) (tail + (k) * LANES * d)
+/* One work item of a group: its members and kv heads [kv_first, kv_first + kv_count), and per-kv-head scratch. For
+ * kv head k (counted from kv_first), lane j * G + g holds member j's head (kv_first + k) * G + g. */
+typedef struct {
+    const group_t *group;
+    const int64_t *order, *tables, *token_rows, *positions;
+    const void *k_cache, *v_cache;
+    int64_t max_blocks, kv_first, kv_count, num_kv_heads, g_heads, page;
+    float scale, softcap;
+    int dtype;
+    lanes_t *sc;   /* kv_count x longest: scores, then probabilities, key-major */
+    lanes_t *qT;   /* kv_count x d: the queries, transposed into lanes */
+    lanes_t *accT; /* kv_count x d: weighted shared values, transposed */
+    float *qrows;  /* kv_count x LANES x d: the queries, one row per lane */
+    float *tail;   /* kv_count x LANES x d: weighted own values, one row per lane */
+    float *buf;    /* CHUNK x d: keys or values widened from bf16 */
+    float *tmp;    /* d */
+} group_item_t;
 
-    for (int64_t k = 0; k < kv_count; k++) {
-        for (int64_t i = 0; i < d; i++) QT(k)[i] = splat(0.f), ACC(k)[i] = splat(0.f);
-        memset(TAIL(k), 0, sizeof(float) * lanes * d);
-        for (int64_t j = 0; j < members; j++)
-            for (int64_t g = 0; g < g_heads; g++) {
-                const int64_t lane = j * g_heads + g, head = (kv_first + k) * g_heads + g;
-                const float *src = row_f32(q, order[group->first + j] * q_token_stride + head * q_head_stride, d,
-                                           dtype, tmp);
-                for (int64_t i = 0; i < d; i++) {
-                    QROWS(k)[lane * d + i] = src[i] * q_scale;
-                    QT(k)[i][lane] = src[i] * q_scale;
-                }
-            }
-    }
-    /* shared keys: one FMA per dimension serves every lane */
+static inline lanes_t *item_scores(const group_item_t *it, int64_t k) { return it->sc + k * it->group->longest; }
+
+/* The shared keys [0, shared), CHUNK slots at a time across the item's kv heads (each slot read front to back):
+ * scores, one FMA per dimension for every lane (weigh = 0), or the probabilities' weighted values (weigh = 1). */
+static inline __attribute__((always_inline)) void shared_pass(const group_item_t *it, int64_t d, int weigh) {
+    const int64_t shared = it->group->shared;
+    const int64_t *leader = it->tables + it->token_rows[it->order[it->group->first]] * it->max_blocks;
     for (int64_t pos = 0, base, stop; pos < shared; pos = stop) {
-        stop = page_run(leader, pos, shared, page, &base);
+        stop = page_run(leader, pos, shared, it->page, &base);
         for (int64_t c = pos; c < stop; c += CHUNK) {
             const int64_t n = stop - c < CHUNK ? stop - c : CHUNK;
-            for (int64_t k = 0; k < kv_count; k++) {
+            for (int64_t k = 0; k < it->kv_count; k++) {
                 int64_t stride;
-                const float *rows = key_rows(k_cache, base + c, n, kv_first + k, num_kv_heads, d, dtype, buf,
-                                             &stride);
-                score_keys(QT(k), rows, stride, n, d, SC(k) + c);
-                if (softcap > 0.f)
-                    for (int64_t p = c; p < c + n; p++) {
-                        float *s = (float *)(SC(k) + p);
+                const float *rows = key_rows(weigh ? it->v_cache : it->k_cache, base + c, n, it->kv_first + k,
+                                             it->num_kv_heads, d, it->dtype, it->buf, &stride);
+                lanes_t *sc = item_scores(it, k) + c;
+                if (weigh) {
+                    weigh_values(sc, rows, stride, n, d, it->accT + k * d);
+                    continue;
+                }
+                score_keys(it->qT + k * d, rows, stride, n, d, sc);
+                if (it->softcap > 0.f)
+                    for (int64_t r = 0; r < n; r++) {
+                        float *s = (float *)(sc + r);
 #pragma omp simd
-                        for (int l = 0; l < LANES; l++) s[l] = softcap * tanhf(s[l] * scale / softcap);
+                        for (int l = 0; l < LANES; l++) s[l] = it->softcap * tanhf(s[l] * it->scale / it->softcap);
                     }
             }
         }
     }
-    /* each member's own keys past the shared ones; keys past a member's position are masked */
-    for (int64_t k = 0; k < kv_count; k++) {
-        if (group->one_row) {
-            for (int64_t j = 0; j < members; j++)
-                for (int64_t p = positions[order[group->first + j]] + 1; p < longest; p++)
-                    for (int64_t g = 0; g < g_heads; g++) SC(k)[p][j * g_heads + g] = NEG_SCORE;
-        } else {
-            for (int64_t p = shared; p < longest; p++) SC(k)[p] = splat(NEG_SCORE);
-        }
-    }
-    for (int64_t j = 0; j < members && !group->one_row; j++) {
-        const int64_t t = order[group->first + j], end = positions[t] + 1;
-        const int64_t *table = tables + token_rows[t] * max_blocks;
-        for (int64_t pos = shared, base, stop; pos < end;)
-            for (stop = page_run(table, pos, end, page, &base); pos < stop; pos++)
-                for (int64_t k = 0; k < kv_count; k++) {
-                    const float *key = row_f32(k_cache, ((base + pos) * num_kv_heads + kv_first + k) * d, d, dtype,
-                                               tmp);
-                    for (int64_t g = 0; g < g_heads; g++) {
-                        const int64_t lane = j * g_heads + g;
-                        const float score = dot(QROWS(k) + lane * d, key, d);
-                        SC(k)[pos][lane] = softcap > 0.f ? softcap * tanhf(score * scale / softcap) : score;
+}
+
+/* Each member's own keys past the shared ones, slot by slot across the item's kv heads: one dot product per head
+ * (weigh = 0), or its probability times the value into the member's `tail` rows (weigh = 1). */
+static inline __attribute__((always_inline)) void own_pass(const group_item_t *it, int64_t d, int weigh) {
+    const group_t *group = it->group;
+    for (int64_t j = 0; j < group->count && !group->one_row; j++) {
+        const int64_t t = it->order[group->first + j], end = it->positions[t] + 1;
+        const int64_t *table = it->tables + it->token_rows[t] * it->max_blocks;
+        for (int64_t pos = group->shared, base, stop; pos < end;)
+            for (stop = page_run(table, pos, end, it->page, &base); pos < stop; pos++)
+                for (int64_t k = 0; k < it->kv_count; k++) {
+                    const float *row = row_f32(weigh ? it->v_cache : it->k_cache,
+                                               ((base + pos) * it->num_kv_heads + it->kv_first + k) * d, d,
+                                               it->dtype, it->tmp);
+                    lanes_t *sc = item_scores(it, k) + pos;
+                    for (int64_t lane = j * it->g_heads; lane < (j + 1) * it->g_heads; lane++) {
+                        if (weigh) {
+                            axpy(it->tail + (k * LANES + lane) * d, (*sc)[lane], row, d);
+                            continue;
+                        }
+                        const float score = dot(it->qrows + (k * LANES + lane) * d, row, d);
+                        (*sc)[lane] = it->softcap > 0.f ? it->softcap * tanhf(score * it->scale / it->softcap)
+                                                        : score;
                     }
                 }
     }
+}
+
+/* Attention of a group's members for the item's kv heads. */
+static inline __attribute__((always_inline)) void attend_group(const group_item_t *it, const void *q,
+                                                               int64_t q_token_stride, int64_t q_head_stride,
+                                                               void *out, int64_t d) {
+    const group_t *group = it->group;
+    const int64_t g_heads = it->g_heads, members = group->count, lanes = members * g_heads;
+    const int64_t num_heads = it->num_kv_heads * g_heads, shared = group->shared, longest = group->longest;
+    const float q_scale = it->softcap > 0.f ? 1.f : it->scale;
+
+    for (int64_t k = 0; k < it->kv_count; k++) {
+        lanes_t *qT = it->qT + k * d, *accT = it->accT + k * d;
+        float *qrows = it->qrows + k * LANES * d;
+        for (int64_t i = 0; i < d; i++) qT[i] = splat(0.f), accT[i] = splat(0.f);
+        memset(it->tail + k * LANES * d, 0, sizeof(float) * lanes * d);
+        for (int64_t j = 0; j < members; j++)
+            for (int64_t g = 0; g < g_heads; g++) {
+                const int64_t lane = j * g_heads + g, head = (it->kv_first + k) * g_heads + g;
+                const float *src = row_f32(q, it->order[group->first + j] * q_token_stride + head * q_head_stride, d,
+                                           it->dtype, it->tmp);
+                for (int64_t i = 0; i < d; i++) {
+                    qrows[lane * d + i] = src[i] * q_scale;
+                    qT[i][lane] = src[i] * q_scale;
+                }
+            }
+    }
+    shared_pass(it, d, 0);
+    /* keys past a member's position are masked; own keys are scored over the mask */
+    for (int64_t k = 0; k < it->kv_count; k++) {
+        lanes_t *sc = item_scores(it, k);
+        if (group->one_row) {
+            for (int64_t j = 0; j < members; j++)
+                for (int64_t p = it->positions[it->order[group->first + j]] + 1; p < longest; p++)
+                    for (int64_t g = 0; g < g_heads; g++) sc[p][j * g_heads + g] = NEG_SCORE;
+        } else {
+            for (int64_t p = shared; p < longest; p++) sc[p] = splat(NEG_SCORE);
+        }
+    }
+    own_pass(it, d, 0);
     /* softmax per lane, across the lanes at once; the normaliser is applied at the end */
-    float sums[kv_count][LANES];
-    for (int64_t k = 0; k < kv_count; k++) {
+    float sums[it->kv_count][LANES];
+    for (int64_t k = 0; k < it->kv_count; k++) {
+        lanes_t *sc = item_scores(it, k);
         float top[LANES];
-        for (int l = 0; l < LANES; l++) top[l] = SC(k)[0][l], sums[k][l] = 0.f;
+        for (int l = 0; l < LANES; l++) top[l] = sc[0][l], sums[k][l] = 0.f;
         for (int64_t p = 1; p < longest; p++) {
-            const float *s = (const float *)(SC(k) + p);
+            const float *s = (const float *)(sc + p);
 #pragma omp simd
             for (int l = 0; l < LANES; l++) top[l] = s[l] > top[l] ? s[l] : top[l];
         }
         for (int64_t p = 0; p < longest; p++) {
-            float *s = (float *)(SC(k) + p);
+            float *s = (float *)(sc + p);
 #pragma omp simd
             for (int l = 0; l < LANES; l++) {
                 s[l] = expf(s[l] - top[l]);
@@ -324,53 +362,23 @@ static inline __attribute__((always_inline)) void attend_group(
             }
         }
     }
-    /* weighted values: shared keys across the lanes, then each member's own */
-    for (int64_t pos = 0, base, stop; pos < shared; pos = stop) {
-        stop = page_run(leader, pos, shared, page, &base);
-        for (int64_t c = pos; c < stop; c += CHUNK) {
-            const int64_t n = stop - c < CHUNK ? stop - c : CHUNK;
-            for (int64_t k = 0; k < kv_count; k++) {
-                int64_t stride;
-                const float *rows = key_rows(v_cache, base + c, n, kv_first + k, num_kv_heads, d, dtype, buf,
-                                             &stride);
-                weigh_values(SC(k) + c, rows, stride, n, d, ACC(k));
-            }
-        }
-    }
-    for (int64_t j = 0; j < members && !group->one_row; j++) {
-        const int64_t t = order[group->first + j], end = positions[t] + 1;
-        const int64_t *table = tables + token_rows[t] * max_blocks;
-        for (int64_t pos = shared, base, stop; pos < end;)
-            for (stop = page_run(table, pos, end, page, &base); pos < stop; pos++)
-                for (int64_t k = 0; k < kv_count; k++) {
-                    const float *v = row_f32(v_cache, ((base + pos) * num_kv_heads + kv_first + k) * d, d, dtype,
-                                             tmp);
-                    for (int64_t g = 0; g < g_heads; g++) {
-                        const int64_t lane = j * g_heads + g;
-                        axpy(TAIL(k) + lane * d, SC(k)[pos][lane], v, d);
-                    }
-                }
-    }
-    for (int64_t k = 0; k < kv_count; k++)
+    shared_pass(it, d, 1);
+    own_pass(it, d, 1);
+    for (int64_t k = 0; k < it->kv_count; k++)
         for (int64_t j = 0; j < members; j++)
             for (int64_t g = 0; g < g_heads; g++) {
                 const int64_t lane = j * g_heads + g;
-                const float inv = 1.f / sums[k][lane];
-                const int64_t o = (order[group->first + j] * num_heads + (kv_first + k) * g_heads + g) * d;
-                if (dtype == DTYPE_F32) {
+                const float inv = 1.f / sums[k][lane], *tail = it->tail + (k * LANES + lane) * d;
+                const lanes_t *accT = it->accT + k * d;
+                const int64_t o = (it->order[group->first + j] * num_heads + (it->kv_first + k) * g_heads + g) * d;
+                if (it->dtype == DTYPE_F32) {
                     float *dst = (float *)out + o;
-                    for (int64_t i = 0; i < d; i++) dst[i] = (ACC(k)[i][lane] + TAIL(k)[lane * d + i]) * inv;
+                    for (int64_t i = 0; i < d; i++) dst[i] = (accT[i][lane] + tail[i]) * inv;
                 } else {
                     uint16_t *dst = (uint16_t *)out + o;
-                    for (int64_t i = 0; i < d; i++)
-                        dst[i] = f32_to_bf16((ACC(k)[i][lane] + TAIL(k)[lane * d + i]) * inv);
+                    for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16((accT[i][lane] + tail[i]) * inv);
                 }
             }
-#undef SC
-#undef QT
-#undef ACC
-#undef QROWS
-#undef TAIL
 }
 
 /* Bits of rollout_kernel_features(): what the compiler targeted for this build (its predefined macros). */
@@ -527,10 +535,10 @@ int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
 #define ATTEND(D)                                                                                                 \
     attend(q, t * q_token_stride, q_head_stride, out, k_cache, v_cache, table, t, kv, kv_count, positions[t],     \
            num_heads, num_kv_heads, D, page_size, scale, window, softcap, dtype, scores, qf, acc, tmp)
-#define ATTEND_GROUP(D)                                                                                           \
-    attend_group(group, order, q, q_token_stride, q_head_stride, out, k_cache, v_cache, tables, max_blocks,        \
-                 token_rows, positions, kv, kv_per_item, num_heads, num_kv_heads, D, page_size, scale, softcap,    \
-                 dtype, sc, qT, accT, qrows, tail, buf, tmp)
+#define ATTEND_GROUP(D) attend_group(&item_ctx, q, q_token_stride, q_head_stride, out, D)
+            const group_item_t item_ctx = {group, order, tables, token_rows, positions, k_cache, v_cache, max_blocks,
+                                           kv, kv_per_item, num_kv_heads, g_heads, page_size, scale, softcap,
+                                           dtype, sc, qT, accT, qrows, tail, buf, tmp};
             if (group->count == 1) {
                 const int64_t t = order[group->first], kv_count = kv_per_item;
                 const int64_t *table = tables + token_rows[t] * max_blocks;
