@@ -9,7 +9,15 @@ import torch
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
-from rollout.engine.cpu_features import CpuFeatures, KernelBuild, cpu_features, probe_packed_linear
+from rollout.engine.cpu_features import (
+    ENV_UNPACKED_MAX_ROWS,
+    UNPACKED_MAX_ROWS_INTEL,
+    CpuFeatures,
+    KernelBuild,
+    cpu_features,
+    probe_packed_linear,
+    unpacked_max_rows,
+)
 from rollout.engine.packed_linear import PACK_BATCH_HINT, PackedLinears
 from tests.helpers.cpu import BF16_ERROR
 from tests.helpers.models import random_prompts, run_engine, tiny_model
@@ -117,11 +125,27 @@ def test_describe_names_every_fallback_and_why():
         kernel=KernelBuild(True, march="native", isa="avx2", openmp=False))
     assert features.describe() == (
         "x86_64 AMD EPYC 7702 [sse4_2 avx2 fma3]; torch CPU capability AVX2; oneDNN packed linear: float32 yes, "
-        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fused SiLU gate: float32; attention "
-        "kernel: -march=native avx2, single-threaded (no OpenMP)")
+        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fused SiLU gate: float32; fp32 linears of "
+        "small steps: packed; attention kernel: -march=native avx2, single-threaded (no OpenMP)")
     bare = CpuFeatures(machine="aarch64", cpu_name="", isa=frozenset(), torch_capability="DEFAULT", onednn=False,
                        onednn_bf16_device=None, packed_dtypes=frozenset(),
                        kernel=KernelBuild(False, reason="no C compiler found"))
     assert bare.describe() == ("aarch64 CPU [none of interest]; torch CPU capability DEFAULT; oneDNN packed linear: "
-                               "unavailable (torch built without oneDNN); fused SiLU gate: no; attention kernel: "
-                               "unavailable (no C compiler found)")
+                               "unavailable (torch built without oneDNN); fused SiLU gate: no; fp32 linears of small "
+                               "steps: packed; attention kernel: unavailable (no C compiler found)")
+
+
+def test_small_steps_skip_the_packed_copies_on_intel_with_mkl_or_as_the_environment_says(monkeypatch):
+    monkeypatch.delenv(ENV_UNPACKED_MAX_ROWS, raising=False)
+    intel = UNPACKED_MAX_ROWS_INTEL if torch.backends.mkl.is_available() else 0
+    assert unpacked_max_rows("Intel Xeon 2.60GHz") == intel
+    assert unpacked_max_rows("AMD EPYC 7702") == 0 and unpacked_max_rows("") == 0
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert unpacked_max_rows("Intel Xeon 2.60GHz") == 0
+    for value, rows in (("0", 0), (" 8 ", 8)):
+        monkeypatch.setenv(ENV_UNPACKED_MAX_ROWS, value)
+        assert unpacked_max_rows("AMD EPYC 7702") == rows and unpacked_max_rows("Intel Xeon") == rows
+    for bad in ("-1", "four"):
+        monkeypatch.setenv(ENV_UNPACKED_MAX_ROWS, bad)
+        with pytest.raises(ValueError, match=rf"{ENV_UNPACKED_MAX_ROWS}=.*row count >= 0"):
+            unpacked_max_rows("Intel Xeon")

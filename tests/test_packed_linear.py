@@ -142,6 +142,7 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
     torch.manual_seed(rows)
     layer = torch.nn.Linear(48, 80)
     linears = PackedLinears(layer)
+    linears.unpacked_max_rows = 0  # the packed copies at every row count, whatever this CPU's small-step rule
     x = torch.randn(1, rows, 48)
     with torch.inference_mode(), linears:
         first = layer(x)
@@ -153,6 +154,24 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
     assert torch.allclose(out, F.linear(x, layer.weight, layer.bias), atol=1e-5)
     assert len(linears._packs) == 1
     assert padded_rows(rows) >= rows and len({padded_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}) <= 50
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("limit", [0, 4])
+def test_small_fp32_steps_keep_f_linear_up_to_the_cpus_row_limit(limit):
+    """Up to `unpacked_max_rows` rows (4 on Intel CPUs with MKL, see cpu_features) an fp32 linear runs F.linear
+    itself, bit for bit; above it, and for every row count where the limit is 0, the packed copy."""
+    torch.manual_seed(limit)
+    layer = torch.nn.Linear(48, 80)
+    linears = PackedLinears(layer)
+    linears.unpacked_max_rows = limit
+    with torch.inference_mode(), linears:
+        for rows in (1, 2, 4, 5, 16):
+            x = torch.randn(1, rows, 48)
+            unpacked = linears.packed_for(x, layer.weight) is None
+            assert unpacked == (rows <= limit), rows
+            out, ref = layer(x), F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(out, ref) if unpacked else torch.allclose(out, ref, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- in-place refresh after weight updates

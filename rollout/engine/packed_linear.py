@@ -160,6 +160,8 @@ class PackedLinears:
         self.model = model
         # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu_features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
+        # fp32 inputs of at most this many rows keep F.linear (cpu_features.UNPACKED_MAX_ROWS_INTEL: MKL's sgemv)
+        self.unpacked_max_rows = cpu_features().unpacked_max_rows
         self._packs: dict[int, _Pack] = {}  # by id(weight)
         self._epoch = 0
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
@@ -256,13 +258,16 @@ class PackedLinears:
     def packed_for(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """Inside a forward on this thread (`with linears:` or `serving()`): the packed copy that serves
         `linear(x, weight)`, or None where F.linear must (another thread, an input not of the weight's dtype, an
-        empty input, a weight not packed: not a strided CPU weight of a packed dtype). The weights are checked once
-        per forward rather than per call, in `_begin`."""
+        empty input, a weight not packed: not a strided CPU weight of a packed dtype) or is faster (an fp32 input of
+        at most `unpacked_max_rows` rows). The weights are checked once per forward rather than per call, in
+        `_begin`."""
         table = getattr(self._active, "table", None)
         if table is None:
             return None
         packed = table.get(id(weight))
         if packed is None or x.dtype != weight.dtype or not x.numel():
+            return None
+        if x.dtype == torch.float32 and x.numel() <= self.unpacked_max_rows * x.shape[-1]:
             return None
         return packed
 
