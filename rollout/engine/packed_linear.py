@@ -1,8 +1,10 @@
 """oneDNN-prepacked copies of the model's fp32/bf16 linear weights, used for the engine's forward on CPU.
 
 Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
-into its blocked layout is faster at every batch size the engine sees (about 1.3x at 256 rows and 2x at 16 rows on
-a 2-core AVX-512 machine, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts).
+into its blocked layout is faster at the batch sizes that carry the work (about 1.3x at 256 rows and 2x at 16 rows on
+a 2-core AVX-512 EPYC, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts). Below
+that, on Intel CPUs MKL's sgemv reads the weights faster: there steps of a few rows keep `F.linear`
+(cpu_features.UNPACKED_MAX_ROWS_INTEL).
 bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
 a long run); packed and bucketed (below) it is a little faster and bounded.
 
