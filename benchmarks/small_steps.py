@@ -1,0 +1,124 @@
+"""Steps of a few rows on CPU: `F.linear` (MKL) vs the engine's oneDNN-packed copies, the measurement behind the
+small-step row limit in rollout/engine/cpu_features.py (UNPACKED_MAX_ROWS_INTEL).
+
+1. One pass over all of W1's linear weights (8 layers and the lm_head, distinct tensors: ~103 MB, more than a last-level
+   cache, as in a decode step) at 1-16 rows, with each kernel, alternated, best of `--rounds`.
+2. The engine itself: one greedy request of `--new-tokens` tokens (1 row per decode step) and four at once (4 rows),
+   with the packed copies at every size and with `F.linear` up to `--limit` rows, alternated on the same engine.
+
+    python benchmarks/small_steps.py
+    python benchmarks/small_steps.py --compile-level 1 --limit 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import MODEL_CONFIG, build_model, format_table, log
+from rollout.engine.packed_linear import PACK_BATCH_HINT
+
+
+def best_seconds(fn, rounds: int, min_seconds: float = 0.5) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < min_seconds:
+            fn()
+            calls += 1
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def linear_pass_rows(rounds: int) -> list[list]:
+    h, inter, kv = MODEL_CONFIG["hidden_size"], MODEL_CONFIG["intermediate_size"], MODEL_CONFIG["num_key_value_heads"]
+    kv_width = kv * MODEL_CONFIG["head_dim"]
+    layer = [(h, h), (kv_width, h), (kv_width, h), (h, h), (inter, h), (inter, h), (h, inter)]
+    shapes = layer * MODEL_CONFIG["num_hidden_layers"] + [(MODEL_CONFIG["vocab_size"], h)]
+    weights = [torch.randn(out_f, in_f) for out_f, in_f in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+    megabytes = sum(w.numel() for w in weights) * 4 / 1e6
+    rows_out = []
+    for rows in (1, 2, 4, 8, 16):
+        inputs = {width: torch.randn(rows, width) for width in (h, inter)}
+
+        def mkl(inputs=inputs):
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+
+        def onednn(inputs=inputs):
+            for w, p in zip(weights, packed, strict=True):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+
+        times = {name: [] for name in ("mkl", "onednn")}
+        for _ in range(rounds):
+            for name, fn in (("mkl", mkl), ("onednn", onednn)):
+                times[name].append(best_seconds(fn, 1))
+        a, b = min(times["mkl"]), min(times["onednn"])
+        rows_out.append([f"linear pass, {rows} rows ({megabytes:.0f} MB of weights)", f"{a * 1e3:.2f}",
+                         f"{b * 1e3:.2f}", f"{b / a:.2f}x"])
+    return rows_out
+
+
+def engine_rows(args) -> list[list]:
+    from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
+
+    model = build_model("float32")
+    engine = LLMEngine(model, None, ContinuousBatchingConfig(default_compile_level=args.compile_level))
+    linears = engine.runner.linears
+    if linears is None:
+        raise SystemExit("this engine does not pack its linears (no oneDNN here?)")
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    out = []
+    for streams in (1, 4):
+        prompts = [torch.randint(0, model.config.vocab_size, (64,), generator=gen).tolist() for _ in range(streams)]
+
+        def generate(prompts=prompts):
+            for prompt in prompts:
+                engine.add_request(prompt, sampling_params=params)
+            while engine.has_unfinished():
+                engine.step()
+
+        times: dict[int, float] = {}
+        for limit in (0, args.limit, 0, args.limit):  # warm-up round, then timed rounds
+            linears.unpacked_max_rows = limit
+            generate()
+        for _ in range(args.rounds):
+            for limit in (0, args.limit):
+                linears.unpacked_max_rows = limit
+                start = time.perf_counter()
+                generate()
+                times[limit] = min(times.get(limit, float("inf")), time.perf_counter() - start)
+        per_token = {limit: seconds / args.new_tokens * 1e3 for limit, seconds in times.items()}
+        unpacked, packed = per_token[args.limit], per_token[0]
+        out.append([f"engine step, {streams} row(s), level {args.compile_level} (ms per step)", f"{unpacked:.2f}",
+                    f"{packed:.2f}", f"{packed / unpacked:.2f}x"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile-level", type=int, default=1)
+    parser.add_argument("--limit", type=int, default=4, help="F.linear up to this many rows in the engine rows")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from rollout.engine.cpu_features import cpu_features
+
+    log(f"CPU: {cpu_features().describe()}")
+    rows = linear_pass_rows(args.rounds) + engine_rows(args)
+    print(format_table(["measure (fp32)", "F.linear ms", "packed ms", "packed / F.linear"], rows))
+
+
+if __name__ == "__main__":
+    main()
