@@ -181,10 +181,7 @@ static inline const float *key_rows(const void *cache, int64_t slot, int64_t n, 
         *stride = num_kv_heads * d;
         return (const float *)cache + (slot * num_kv_heads + kv) * d;
     }
-    for (int64_t r = 0; r < n; r++) {
-        const uint16_t *src = (const uint16_t *)cache + ((slot + r) * num_kv_heads + kv) * d;
-        for (int64_t i = 0; i < d; i++) buf[r * d + i] = bf16_to_f32(src[i]);
-    }
+    for (int64_t r = 0; r < n; r++) row_f32(cache, ((slot + r) * num_kv_heads + kv) * d, d, dtype, buf + r * d);
     *stride = d;
     return buf;
 }
@@ -536,9 +533,6 @@ int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
     attend(q, t * q_token_stride, q_head_stride, out, k_cache, v_cache, table, t, kv, kv_count, positions[t],     \
            num_heads, num_kv_heads, D, page_size, scale, window, softcap, dtype, scores, qf, acc, tmp)
 #define ATTEND_GROUP(D) attend_group(&item_ctx, q, q_token_stride, q_head_stride, out, D)
-            const group_item_t item_ctx = {group, order, tables, token_rows, positions, k_cache, v_cache, max_blocks,
-                                           kv, kv_per_item, num_kv_heads, g_heads, page_size, scale, softcap,
-                                           dtype, sc, qT, accT, qrows, tail, buf, tmp};
             if (group->count == 1) {
                 const int64_t t = order[group->first], kv_count = kv_per_item;
                 const int64_t *table = tables + token_rows[t] * max_blocks;
@@ -548,12 +542,16 @@ int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
                     ATTEND(128);
                 else
                     ATTEND(head_dim);
-            } else if (head_dim == 64) {
-                ATTEND_GROUP(64);
-            } else if (head_dim == 128) {
-                ATTEND_GROUP(128);
             } else {
-                ATTEND_GROUP(head_dim);
+                const group_item_t item_ctx = {group, order, tables, token_rows, positions, k_cache, v_cache,
+                                               max_blocks, kv, kv_per_item, num_kv_heads, g_heads, page_size, scale,
+                                               softcap, dtype, sc, qT, accT, qrows, tail, buf, tmp};
+                if (head_dim == 64)
+                    ATTEND_GROUP(64);
+                else if (head_dim == 128)
+                    ATTEND_GROUP(128);
+                else
+                    ATTEND_GROUP(head_dim);
             }
 #undef ATTEND
 #undef ATTEND_GROUP
