@@ -529,6 +529,15 @@ int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
             const group_t *group = groups + item / items_per_group;
             const int64_t kv = (item % items_per_group) * kv_per_item;
             /* a constant head_dim lets the compiler unroll the inner loops completely */
+#define BY_HEAD_DIM(CALL)                                                                                         \
+    do {                                                                                                          \
+        if (head_dim == 64)                                                                                       \
+            CALL(64);                                                                                             \
+        else if (head_dim == 128)                                                                                 \
+            CALL(128);                                                                                            \
+        else                                                                                                      \
+            CALL(head_dim);                                                                                       \
+    } while (0)
 #define ATTEND(D)                                                                                                 \
     attend(q, t * q_token_stride, q_head_stride, out, k_cache, v_cache, table, t, kv, kv_count, positions[t],     \
            num_heads, num_kv_heads, D, page_size, scale, window, softcap, dtype, scores, qf, acc, tmp)
@@ -536,23 +545,14 @@ int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
             if (group->count == 1) {
                 const int64_t t = order[group->first], kv_count = kv_per_item;
                 const int64_t *table = tables + token_rows[t] * max_blocks;
-                if (head_dim == 64)
-                    ATTEND(64);
-                else if (head_dim == 128)
-                    ATTEND(128);
-                else
-                    ATTEND(head_dim);
+                BY_HEAD_DIM(ATTEND);
             } else {
                 const group_item_t item_ctx = {group, order, tables, token_rows, positions, k_cache, v_cache,
                                                max_blocks, kv, kv_per_item, num_kv_heads, g_heads, page_size, scale,
                                                softcap, dtype, sc, qT, accT, qrows, tail, buf, tmp};
-                if (head_dim == 64)
-                    ATTEND_GROUP(64);
-                else if (head_dim == 128)
-                    ATTEND_GROUP(128);
-                else
-                    ATTEND_GROUP(head_dim);
+                BY_HEAD_DIM(ATTEND_GROUP);
             }
+#undef BY_HEAD_DIM
 #undef ATTEND
 #undef ATTEND_GROUP
         }
