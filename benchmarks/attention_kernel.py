@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks.common import REPO_ROOT, build_model, environment, format_table, log
+from benchmarks.common import REPO_ROOT, build_model, environment, format_table, log, seconds_per_call
 from rollout.engine import cpu_kernel
 from rollout.engine.cpu_kernel import KernelBatch, paged_attention
 
@@ -99,14 +99,6 @@ def cases(gen: torch.Generator) -> dict[str, tuple[KernelBatch, int]]:
     }
 
 
-def time_call(fn, min_seconds: float) -> float:
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < min_seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls
-
-
 def kernel_rows(libs: dict, dtype: torch.dtype, rounds: int) -> list[list]:
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -123,7 +115,7 @@ def kernel_rows(libs: dict, dtype: torch.dtype, rounds: int) -> list[list]:
             for tag, lib in libs.items():
                 cpu_kernel.load_kernel = lambda lib=lib: lib
                 outputs[tag] = attend()
-                best[tag] = min(best.get(tag, float("inf")), time_call(attend, 0.3))
+                best[tag] = min(best.get(tag, float("inf")), seconds_per_call(attend, 0.3))
         diff = (outputs["baseline"].float() - outputs["current"].float()).abs().max().item()
         rows.append([name, f"{best['baseline'] * 1e3:.3f}", f"{best['current'] * 1e3:.3f}",
                      f"{best['baseline'] / best['current']:.2f}x", f"{diff:.1e}"])

@@ -206,6 +206,15 @@ def current_rss_mib() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def seconds_per_call(fn: Callable[[], object], min_seconds: float) -> float:
+    """Mean seconds per call of `fn`, called back to back for at least `min_seconds`."""
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
 # -------------------------------------------------------------------------------------------------------- formatting
 # ------------------------------------------------------------------------------------------- benchmark children
 def log(msg: str) -> None:

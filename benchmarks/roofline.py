@@ -66,7 +66,8 @@ def flops_per_token(context: float, cfg: dict = MODEL_CONFIG) -> dict:
 MATMUL_KINDS = ("f_linear", "onednn_packed")
 
 
-def _matmul_fn(kind: str, x: torch.Tensor, w: torch.Tensor):
+def matmul_fn(kind: str, x: torch.Tensor, w: torch.Tensor):
+    """A call of `x @ w.T` with kernel `kind` (MATMUL_KINDS), or None where this torch cannot pack `w`'s dtype."""
     if kind == "f_linear":
         return lambda: F.linear(x, w)
     from rollout.engine.packed_linear import PACK_BATCH_HINT, packing_available
@@ -85,7 +86,7 @@ def time_matmul(tokens: int, fan_in: int, fan_out: int, dtype: torch.dtype, min_
     x = torch.randn(tokens, fan_in, generator=g).to(dtype)
     w = (torch.randn(fan_out, fan_in, generator=g) * fan_in ** -0.5).to(dtype)
     with torch.inference_mode():
-        fn = _matmul_fn(kind, x, w)
+        fn = matmul_fn(kind, x, w)
         if fn is None:
             return float("inf")
         for _ in range(3):

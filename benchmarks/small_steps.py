@@ -20,48 +20,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.common import MODEL_CONFIG, build_model, format_table, log
-from rollout.engine.packed_linear import PACK_BATCH_HINT
-
-
-def best_seconds(fn, rounds: int, min_seconds: float = 0.5) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start, calls = time.perf_counter(), 0
-        while time.perf_counter() - start < min_seconds:
-            fn()
-            calls += 1
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+from benchmarks.common import build_model, format_table, log, seconds_per_call
+from benchmarks.roofline import MATMUL_KINDS, linear_shapes, matmul_fn
 
 
 def linear_pass_rows(rounds: int) -> list[list]:
-    h, inter, kv = MODEL_CONFIG["hidden_size"], MODEL_CONFIG["intermediate_size"], MODEL_CONFIG["num_key_value_heads"]
-    kv_width = kv * MODEL_CONFIG["head_dim"]
-    layer = [(h, h), (kv_width, h), (kv_width, h), (h, h), (inter, h), (inter, h), (h, inter)]
-    shapes = layer * MODEL_CONFIG["num_hidden_layers"] + [(MODEL_CONFIG["vocab_size"], h)]
-    weights = [torch.randn(out_f, in_f) for out_f, in_f in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+    weights = [torch.randn(fan_out, fan_in) for _, fan_in, fan_out, count in linear_shapes() for _ in range(count)]
     megabytes = sum(w.numel() for w in weights) * 4 / 1e6
     rows_out = []
     for rows in (1, 2, 4, 8, 16):
-        inputs = {width: torch.randn(rows, width) for width in (h, inter)}
-
-        def mkl(inputs=inputs):
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-
-        def onednn(inputs=inputs):
-            for w, p in zip(weights, packed, strict=True):
-                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
-
-        times = {name: [] for name in ("mkl", "onednn")}
-        for _ in range(rounds):
-            for name, fn in (("mkl", mkl), ("onednn", onednn)):
-                times[name].append(best_seconds(fn, 1))
-        a, b = min(times["mkl"]), min(times["onednn"])
+        inputs = {width: torch.randn(rows, width) for width in {w.shape[1] for w in weights}}
+        passes = {}
+        for kind in MATMUL_KINDS:  # F.linear, then the packed copies (packed here, outside the timing)
+            calls = [matmul_fn(kind, inputs[w.shape[1]], w) for w in weights]
+            if None in calls:
+                raise SystemExit("this torch cannot pack fp32 linear weights (no oneDNN): nothing to compare")
+            passes[kind] = lambda calls=calls: [call() for call in calls]
+        best = dict.fromkeys(MATMUL_KINDS, float("inf"))
+        for _ in range(rounds):  # the kernels alternate, round by round
+            for kind in MATMUL_KINDS:
+                best[kind] = min(best[kind], seconds_per_call(passes[kind], 0.5))
+        a, b = best["f_linear"], best["onednn_packed"]
         rows_out.append([f"linear pass, {rows} rows ({megabytes:.0f} MB of weights)", f"{a * 1e3:.2f}",
                          f"{b * 1e3:.2f}", f"{b / a:.2f}x"])
     return rows_out
