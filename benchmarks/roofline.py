@@ -37,6 +37,7 @@ from benchmarks.common import (
     count_params,
     environment,
     format_table,
+    seconds_per_call,
     torch_dtype,
 )
 
@@ -91,12 +92,7 @@ def time_matmul(tokens: int, fan_in: int, fan_out: int, dtype: torch.dtype, min_
             return float("inf")
         for _ in range(3):
             fn()
-        t = time.perf_counter()
-        n = 0
-        while time.perf_counter() - t < 0.05:
-            fn()
-            n += 1
-        per_call = (time.perf_counter() - t) / n
+        per_call = seconds_per_call(fn, 0.05)
         reps = max(1, int(min_time / per_call))
         best = float("inf")
         for _ in range(trials):

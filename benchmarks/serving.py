@@ -248,6 +248,7 @@ def measure_level(url: str, model: str, concurrency: int, count: int, args, load
             competitor.wait()
     row = summarize(level)
     row["load"] = "training loop" if load else "idle"
+    row["round"] = round_
     log(f"  round {round_ + 1} {server} c={concurrency} load={row['load']}: {row['requests']} ok, {row['errors']} "
         f"failed, TTFT p50 {row['ttft_p50'] * 1e3:.1f} ms, TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms, "
         f"{row['output_tok_s']:.0f} tok/s")
@@ -267,7 +268,6 @@ def measure_rounds(urls: dict[str, str], model: str, levels: list[tuple[int, int
             for concurrency, count in levels:
                 for server in order:
                     row, got = measure_level(urls[server], model, concurrency, count, args, load, round_, server)
-                    row["round"] = round_
                     rows[server].append(row)
                     texts[server].append(got)
     return rows, texts
