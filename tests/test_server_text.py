@@ -2,7 +2,7 @@
 
 import pytest
 
-from rollout.server.text import CompletionText
+from rollout.server.text import CompletionText, text_decoder
 from tests.helpers.tokenizers import json_tokenizer, tiny_tokenizer
 
 TEXT = 'héllo wörld ✓ 日本語 {"name": "alice", "tags": ["a", "b"]} ' * 12
@@ -52,3 +52,25 @@ def test_stop_strings_are_held_back_and_cut_when_streamed():
     tokens = tok.encode('{"name": "alice", "age": 31}', add_special_tokens=False)
     streamed = _stream(CompletionText(tok, stop_strings=['"age"']), tokens, finish_reason="stop")
     assert streamed == '{"name": "alice", '
+
+
+@pytest.mark.parametrize("make", [json_tokenizer, tiny_tokenizer])
+def test_the_text_decoder_equals_decode_skipping_special_tokens(make):
+    tok = make()
+    decode = text_decoder(tok)
+    assert decode.__name__ == "backend_decode"  # these need no clean-up: the Rust backend is called directly
+    source = TEXT if make is json_tokenizer else " ".join(f"w{i % 200}" for i in range(300))
+    ids = tok.encode(source, add_special_tokens=False)
+    special = sorted(tok.all_special_ids)
+    for start in range(0, len(ids), 7):
+        piece = ids[start:start + 11] + special  # special ids are dropped, as decode(skip_special_tokens=True) does
+        assert decode(piece) == tok.decode(piece, skip_special_tokens=True)
+
+
+def test_the_text_decoder_keeps_decode_where_it_would_clean_up_spaces_or_is_not_a_backend():
+    tok = tiny_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    assert text_decoder(tok).__name__ == "tokenizer_decode"
+    counting = CountingTokenizer(json_tokenizer())
+    assert text_decoder(counting)([5, 6, 7]) == counting.tokenizer.decode([5, 6, 7], skip_special_tokens=True)
+    assert counting.decoded_ids == 3

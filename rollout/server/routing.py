@@ -5,6 +5,10 @@ The manager calls `on_output` (its output router) for every output of the reques
 the server. The HTTP side reads the outputs as (choice index, output) pairs, streamed or all at once, and closing
 the request early (the client went away, or `stalled` says it waited too long) cancels the sequences that have not
 finished.
+
+A stream waits once per token, so that wait is a bare `await` on the queue: no Task or timer per token (what
+`asyncio.wait_for` costs). A watchdog timer per request, re-armed every DISCONNECT_POLL_S, does the checking instead:
+it puts the `stalled` error in the queue once there is one, while the queue is empty.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 
 from rollout.engine.request import RequestOutput, RequestStatus
@@ -36,14 +41,16 @@ class RoutedRequest:
     def __init__(self, loop: asyncio.AbstractEventLoop, cancel: Callable[[list[str]], None],
                  on_final: Callable[[RequestOutput], None],
                  stalled: Callable[[], Exception | None] = lambda: None) -> None:
+        self._loop = loop
         self._cancel = cancel
         self._stalled = stalled  # the error to give up with, when waiting longer makes no sense (an overdue pause)
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()  # an Exception: the stall error
         self.on_output = _router_callback(loop, self._queue, on_final)
         self._choice: dict[str, int] = {}  # sequence id -> choice index (prompt-major)
         self._owner: dict[str, str] = {}  # sequence id -> manager request id (what cancel takes)
         self._finals: dict[int, RequestOutput] = {}
         self._closed = False
+        self._watchdog: asyncio.TimerHandle | None = None  # armed by the first streamed wait
 
     def expect(self, request_id: str, n: int) -> None:
         """Register a manager request of `n` sequences; its choices follow those registered before."""
@@ -63,11 +70,28 @@ class RoutedRequest:
         """The next (choice index, output); ends once every sequence has its final output."""
         if self._closed or len(self._finals) == self.num_choices:
             raise StopAsyncIteration
+        if self._watchdog is None:
+            self._arm_watchdog()
         try:
-            return await self._next_watched(None, DISCONNECT_POLL_S)
+            return await self._next()
         except BaseException:  # cancelled while waiting (the client went away), or stalled
             self.close()
             raise
+
+    def _arm_watchdog(self) -> None:
+        # the timer holds a weak reference: a dropped request is still collected (and closed) while it is armed
+        self._watchdog = self._loop.call_later(DISCONNECT_POLL_S, _watch, weakref.ref(self))
+
+    def _watch(self) -> None:
+        """The streamed wait's watchdog: queue the `stalled` error once there is one while nothing is queued (the
+        reader is waiting, not behind), else check again in DISCONNECT_POLL_S."""
+        if self._closed:
+            return
+        error = self._stalled() if self._queue.empty() else None
+        if error is not None:
+            self._queue.put_nowait(error)
+            return
+        self._arm_watchdog()
 
     async def _next_watched(self, disconnected: Callable[[], Awaitable[bool]] | None,
                             poll_s: float) -> tuple[int, RequestOutput] | None:
@@ -84,6 +108,8 @@ class RoutedRequest:
 
     async def _next(self) -> tuple[int, RequestOutput]:
         out = await self._queue.get()
+        if isinstance(out, Exception):
+            raise out
         index = self._choice[out.request_id]
         if out.is_finished():
             self._finals[index] = out
@@ -126,6 +152,8 @@ class RoutedRequest:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         left = self._unfinished_requests()
         if left:
             logger.info("request closed early; cancelling %s", _some(left))
@@ -137,6 +165,12 @@ class RoutedRequest:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _watch(request: weakref.ref[RoutedRequest]) -> None:
+    alive = request()
+    if alive is not None:
+        alive._watch()
 
 
 def _some(ids: list[str]) -> str:
