@@ -74,3 +74,13 @@ def test_the_text_decoder_keeps_decode_where_it_would_clean_up_spaces_or_is_not_
     counting = CountingTokenizer(json_tokenizer())
     assert text_decoder(counting)([5, 6, 7]) == counting.tokenizer.decode([5, 6, 7], skip_special_tokens=True)
     assert counting.decoded_ids == 3
+
+
+def test_the_text_decoder_keeps_a_subclass_own_decode():
+    class Shouting(type(tiny_tokenizer())):
+        def decode(self, ids, **kwargs):
+            return super().decode(ids, **kwargs).upper()
+
+    tok = tiny_tokenizer()
+    tok.__class__ = Shouting
+    assert text_decoder(tok)([5, 6]) == tok.decode([5, 6], skip_special_tokens=True) == "W0 W1"

@@ -69,6 +69,8 @@ class RoutedRequest:
     async def __anext__(self) -> tuple[int, RequestOutput]:
         """The next (choice index, output); ends once every sequence has its final output."""
         if self._closed or len(self._finals) == self.num_choices:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             raise StopAsyncIteration
         if self._watchdog is None:
             self._arm_watchdog()
@@ -85,7 +87,7 @@ class RoutedRequest:
     def _watch(self) -> None:
         """The streamed wait's watchdog: queue the `stalled` error once there is one while nothing is queued (the
         reader is waiting, not behind), else check again in DISCONNECT_POLL_S."""
-        if self._closed:
+        if self._closed or len(self._finals) == self.num_choices:
             return
         error = self._stalled() if self._queue.empty() else None
         if error is not None:

@@ -31,13 +31,15 @@ def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> tuple[str, bool]
 
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, calling the Rust backend directly when that is all the
-    call would do: a transformers `TokenizersBackend` whose `_decode` is not overridden and that does not clean up
+    call would do: a transformers `TokenizersBackend` with neither `decode` nor `_decode` overridden and no clean-up of
     tokenization spaces. Any other tokenizer (a slow one, a wrapper, one with clean-up) keeps its own `decode`."""
     from transformers import TokenizersBackend  # the server imports transformers anyway; text.py alone need not
 
     backend = getattr(tokenizer, "_tokenizer", None)
-    if (isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode
-            and not tokenizer.clean_up_tokenization_spaces and callable(getattr(backend, "decode", None))):
+    own = type(tokenizer)
+    if (isinstance(tokenizer, TokenizersBackend) and own.decode is TokenizersBackend.decode
+            and own._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces
+            and callable(getattr(backend, "decode", None))):
         def backend_decode(ids: list[int]) -> str:
             return backend.decode(ids, skip_special_tokens=True)
         return backend_decode
