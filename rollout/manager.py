@@ -35,6 +35,7 @@ from rollout.engine.engine import LLMEngine
 from rollout.engine.request import ErrorKind, RequestOutput
 from rollout.engine.sequence_group import sequence_ids
 from rollout.engine.stats import EngineStats
+from rollout.engine.warm_up import WarmUp, warm_up
 from rollout.output_router import OutputCallback, OutputRouter
 from rollout.sampling_params import SamplingParams
 
@@ -313,6 +314,16 @@ class ContinuousBatchingManager:
             yield out
             if out.is_finished():
                 return
+
+    def warm_up(self, max_tokens: int) -> WarmUp:
+        """Run one throwaway step per row bucket up to `max_tokens` prompt tokens before serving (rollout.engine.
+        warm_up), on the calling thread; the engine is left as it was. A RuntimeError if requests are already in."""
+        with self._engine_lock:
+            with self._cv:
+                busy = bool(self._inbox)
+            if busy:
+                raise RuntimeError("warm_up needs an idle manager: requests were already submitted; warm up first")
+            return warm_up(self._require_engine(), max_tokens)
 
     def stats(self) -> EngineStats:
         with self._engine_lock:

@@ -19,9 +19,11 @@ import torch
 import uvicorn
 from fastapi.testclient import TestClient
 
+import rollout.manager
 from rollout import ContinuousBatchingConfig, SamplingParams, WeightUpdateError, generate_batch
 from rollout.client import RolloutClient
 from rollout.engine.request import ErrorKind, RequestOutput, RequestStatus
+from rollout.engine.warm_up import warm_up
 from rollout.server import build_parser_args, create_app, serve
 from rollout.server.errors import from_failed_output, from_invalid_request
 from rollout.server.settings import ServerSettings
@@ -419,10 +421,15 @@ def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
     args = parser.parse_args(["--model", str(tmp_path), "--port", "8123", "--page-size", "8", "--num-blocks", "32",
                               "--served-model-name", "ckpt", "--log-level", "warning"])
     assert args.host == "127.0.0.1"
-    launched = {}
+    launched, warmed = {}, []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: launched.update(app=app, **kw))
+    monkeypatch.setattr(rollout.manager, "warm_up", lambda *a, **kw: warmed.append(warm_up(*a, **kw)) or warmed[-1])
     serve(args)
     assert launched["port"] == 8123 and launched["host"] == "127.0.0.1"
+    # warmed up before listening, within the 256 tokens of KV asked for, and nothing of it shows
+    assert len(warmed) == 1 and max(warmed[0].prompt_lengths) == 240
+    stats = launched["app"].state.backend.manager.stats()
+    assert stats.steps == 0 and stats.cached_blocks == 0 and stats.generated_tokens == 0
     with TestClient(launched["app"], base_url=LOCAL) as client:  # runs the lifespan: the backend is closed on exit
         r = client.post("/v1/completions", json=dict(model="ckpt", prompt="w1 w2", max_tokens=4, temperature=0,
                                                      ignore_eos=True, return_token_ids=True))
@@ -443,6 +450,10 @@ def test_serve_options_map_to_the_engine_config():
     assert default.default_compile_level == 0 and default.max_batch_tokens is None and default.cpu_threads == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--compile-level", "4"])
+    assert parser.parse_args(["--model", "m"]).warmup_tokens == 512
+    assert parser.parse_args(["--model", "m", "--warmup-tokens", "0"]).warmup_tokens == 0  # no warm-up
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--warmup-tokens", "-1"])
 
 
 # ------------------------------------------------------------------------------------------------------ /health
