@@ -133,26 +133,23 @@ def served_name(model: str) -> str:
     return path.resolve().name if path.exists() else model
 
 
-def _non_negative_int(text: str) -> int:
+def _int_at_least(text: str, minimum: int, expected: str) -> int:
+    """`int(text)` when it is at least `minimum`; else an ArgumentTypeError saying what was `expected`."""
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def _cpu_threads(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
-    return value
+    return text if text == "auto" else _int_at_least(text, 1, "'auto' or an integer >= 1")
 
 
 def continuous_batching_config_from_args(args: argparse.Namespace):
