@@ -8,11 +8,12 @@ after the first (TPOT), end-to-end latency (p50/p99) and output tokens per secon
 It can target any running server (`--url`), or start the servers itself on the W1 model (the same Qwen3 weights and a
 word-level tokenizer saved to a temporary directory) in one invocation (`--servers`), so every server sees the same
 requests on the same machine. All of them run at once and take turns level by level (an idle server waits on its
-sockets); with `--rounds N` every level is measured N times with fresh prompts, the order of the turns flipped each
-round, and the report gives the medians and each round's throughput: a shared 2-core machine drifts by 10-20% over
-minutes, more than the differences being measured. With `--competing-load` a training-like loop (forward/backward of
-an MLP, torch with `--threads` threads) runs on the same cores during every level: the colocated RL case where a
-trainer shares the machine with the engine.
+sockets; each level starts once every started server has stopped using CPU, as vLLM's worker busy-polls a core for
+about a second after its last request); with `--rounds N` every level is measured N times with fresh prompts, the
+order of the turns flipped each round, and the report gives the medians and each round's throughput: a shared 2-core
+machine drifts by 10-20% over minutes, more than the differences being measured. With `--competing-load` a
+training-like loop (forward/backward of an MLP, torch with `--threads` threads) runs on the same cores during every
+level: the colocated RL case where a trainer shares the machine with the engine.
 
     python benchmarks/serving.py --servers rollout                       # our server only
     python benchmarks/serving.py --servers rollout,vllm --vllm-python /path/to/vllm-venv/bin/python
@@ -184,6 +185,42 @@ def server_command(kind: str, model_dir: Path, port: int, args) -> tuple[list[st
     return cmd, env
 
 
+QUIET_WINDOW_S = 0.2
+QUIET_CPU_S = 0.02  # CPU seconds per window (10% of a core) under which the servers count as quiet
+
+
+def wait_quiet(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait until the started servers (with their child processes) stop using CPU, at most `timeout` seconds.
+
+    A server can stay busy after its last answer: vLLM's CPU worker busy-polls a full core for about a second. A level
+    measured in that second shares the cores with it, which would charge one server's idle spin to the next one."""
+    import psutil
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                tree = psutil.Process(proc.pid)
+                for p in [tree, *tree.children(recursive=True)]:
+                    times = p.cpu_times()
+                    total += times.user + times.system
+            except psutil.Error:  # a process that ended counts as quiet
+                continue
+        return total
+
+    if not procs:
+        return
+    start = time.monotonic()
+    before = cpu_seconds()
+    while time.monotonic() - start < timeout:
+        time.sleep(QUIET_WINDOW_S)
+        now = cpu_seconds()
+        if now - before < QUIET_CPU_S:
+            return
+        before = now
+    log(f"  servers still busy after {timeout:.0f}s: measuring anyway")
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -255,11 +292,12 @@ def measure_level(url: str, model: str, concurrency: int, count: int, args, load
     return row, level.texts
 
 
-def measure_rounds(urls: dict[str, str], model: str, levels: list[tuple[int, int]], args) -> tuple[dict, dict]:
+def measure_rounds(urls: dict[str, str], model: str, levels: list[tuple[int, int]], args,
+                   servers: list[subprocess.Popen] = ()) -> tuple[dict, dict]:
     """Every (load, level) measured on every server, `args.rounds` times; within a round the servers take turns
     level by level, and the order of the turns flips from one round to the next, so a slow spell of the machine
-    falls on both. Returns per server the rows of every round (in (load, level) order, round after round) and the
-    completions of each."""
+    falls on both. Each level starts once the started `servers` are quiet (`wait_quiet`). Returns per server the rows
+    of every round (in (load, level) order, round after round) and the completions of each."""
     rows: dict[str, list[dict]] = {server: [] for server in urls}
     texts: dict[str, list] = {server: [] for server in urls}
     for round_ in range(args.rounds):
@@ -267,6 +305,7 @@ def measure_rounds(urls: dict[str, str], model: str, levels: list[tuple[int, int
         for load in load_modes(args.competing_load):
             for concurrency, count in levels:
                 for server in order:
+                    wait_quiet(servers, args.settle_timeout)
                     row, got = measure_level(urls[server], model, concurrency, count, args, load, round_, server)
                     rows[server].append(row)
                     texts[server].append(got)
@@ -354,7 +393,7 @@ def main(argv=None) -> None:
                 procs.append(subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr))
                 wait_ready(urls[server], procs[-1], args.start_timeout)
                 warm_up(urls[server], SERVED_NAME, args.request_timeout)
-            rows, texts = measure_rounds(urls, SERVED_NAME, levels, args)
+            rows, texts = measure_rounds(urls, SERVED_NAME, levels, args, procs)
         finally:
             for proc in procs:
                 stop_server(proc)
@@ -412,6 +451,8 @@ def parse_args(argv=None):
                    "the report gives medians (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--settle-timeout", type=float, default=15,
+                   help="before each level, wait up to this long for the started servers to stop using CPU")
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--output", help="also write the JSON report here")
     return p.parse_args(argv)
