@@ -215,6 +215,28 @@ def seconds_per_call(fn: Callable[[], object], min_seconds: float) -> float:
     return (time.perf_counter() - start) / calls
 
 
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of a[i] / b[i] and its 95% confidence interval (t over the log ratios; NaN bounds with one
+    pair). Pairs measured side by side in one round share the machine's state of that moment, so their ratio cancels
+    the drift that moves both (on a shared VM, 10-30% over minutes); the rounds' spread is the measurement's noise.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_ratio needs two equally long, non-empty lists (got {len(a)} and {len(b)})")
+    logs = [math.log(x / y) for x, y in zip(a, b)]
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return math.exp(mean), math.nan, math.nan
+    spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = (_T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96) * spread / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 # -------------------------------------------------------------------------------------------------------- formatting
 # ------------------------------------------------------------------------------------------- benchmark children
 def log(msg: str) -> None:

@@ -10,10 +10,11 @@ word-level tokenizer saved to a temporary directory) in one invocation (`--serve
 requests on the same machine. All of them run at once and take turns level by level (an idle server waits on its
 sockets; each level starts once every started server has stopped using CPU, as vLLM's worker busy-polls a core for
 about a second after its last request); with `--rounds N` every level is measured N times with fresh prompts, the
-order of the turns flipped each round, and the report gives the medians and each round's throughput: a shared 2-core
-machine drifts by 10-20% over minutes, more than the differences being measured. With `--competing-load` a
-training-like loop (forward/backward of an MLP, torch with `--threads` threads) runs on the same cores during every
-level: the colocated RL case where a trainer shares the machine with the engine.
+order of the turns flipped each round, and the report gives the medians, each round's throughput and, with two
+servers, the ratios paired by round (geometric mean and 95% confidence interval): a shared 2-core machine drifts by
+10-30% over minutes, more than the differences being measured, and a ratio within one round cancels most of it.
+With `--competing-load` a training-like loop (forward/backward of an MLP, torch with `--threads` threads) runs on the
+same cores during every level: the colocated RL case where a trainer shares the machine with the engine.
 
     python benchmarks/serving.py --servers rollout                       # our server only
     python benchmarks/serving.py --servers rollout,vllm --vllm-python /path/to/vllm-venv/bin/python
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -57,6 +59,7 @@ from benchmarks.common import (
     format_table,
     ids_as_text,
     log,
+    paired_ratio,
     save_w1_checkpoint,
 )
 
@@ -330,6 +333,7 @@ def median_over_rounds(rows: list[dict]) -> list[dict]:
         row["errors"] = sum(r["errors"] for r in group)
         row["first_error"] = next((r["first_error"] for r in group if r["first_error"]), None)
         row["rounds_tok_s"] = [r["output_tok_s"] for r in group]
+        row["rounds_ttft_p50"] = [r["ttft_p50"] for r in group]
         merged.append(row)
     return merged
 
@@ -365,12 +369,23 @@ def print_report(results: dict[str, list[dict]], agree: dict[str, str], args) ->
             rows.append([a["load"], a["concurrency"], f"{a['ttft_p50'] / b['ttft_p50']:.2f}",
                          f"{a['tpot_p50'] / b['tpot_p50']:.2f}", f"{a['e2e_p50'] / b['e2e_p50']:.2f}",
                          f"{a['output_tok_s'] / b['output_tok_s']:.2f}",
-                         " ".join(f"{x / y:.2f}" for x, y in zip(a["rounds_tok_s"], b["rounds_tok_s"]))])
-        print(format_table(["load", "conc", "TTFT p50", "TPOT p50", "e2e p50", "out tok/s", "by round"], rows))
+                         " ".join(f"{x / y:.2f}" for x, y in zip(a["rounds_tok_s"], b["rounds_tok_s"])),
+                         paired(a["rounds_ttft_p50"], b["rounds_ttft_p50"]),
+                         paired(a["rounds_tok_s"], b["rounds_tok_s"])])
+        print(format_table(["load", "conc", "TTFT p50", "TPOT p50", "e2e p50", "out tok/s", "tok/s by round",
+                            "TTFT p50, rounds paired", "tok/s, rounds paired"], rows))
+        print("(rounds paired: the geometric mean of the rounds' ratios [its 95% confidence interval]; the servers "
+              "of one round ran minutes apart at most, so the pairing cancels most of the machine's drift)")
     for server, rows in results.items():
         for row in rows:
             if row["first_error"]:
                 print(f"{server} c={row['concurrency']} ({row['load']}): first error: {row['first_error']}")
+
+
+def paired(ours: list[float], peer: list[float]) -> str:
+    """`paired_ratio` as table text: "1.03 [0.97-1.09]" (no interval with one round)."""
+    mean, lo, hi = paired_ratio(ours, peer)
+    return f"{mean:.2f}" if math.isnan(lo) else f"{mean:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
 def main(argv=None) -> None:
