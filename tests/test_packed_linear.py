@@ -153,7 +153,9 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
     assert out.shape == (1, rows, 80)
     assert torch.allclose(out, F.linear(x, layer.weight, layer.bias), atol=1e-5)
     assert len(linears._packs) == 1
-    assert padded_rows(rows) >= rows and len({padded_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}) <= 50
+    buckets = {padded_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}
+    assert padded_rows(rows) >= rows and len(buckets) <= 64  # each bucket costs oneDNN a few MiB of JIT kernels
+    assert padded_rows(rows) - rows < (8 if rows <= 256 else 64)  # and little padding where steps are small
 
 
 @needs_fp32_packing

@@ -17,9 +17,9 @@ def _engine(model) -> LLMEngine:
 
 def test_bucket_lengths_are_every_row_bucket_up_to_the_limit():
     lengths = bucket_lengths(512)
-    assert lengths[:6] == [1, 2, 4, 8, 16, 32] and lengths[-4:] == [320, 384, 448, 512]
+    assert lengths[:7] == [1, 2, 4, 8, 16, 24, 32] and lengths[-4:] == [320, 384, 448, 512]
     assert lengths == sorted({padded_rows(n) for n in range(1, 513)})  # each bucket once, none past the limit
-    assert bucket_lengths(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96]
+    assert bucket_lengths(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96]
     assert bucket_lengths(0) == []
 
 
@@ -69,7 +69,7 @@ def test_warm_up_needs_an_idle_engine_and_fits_the_context():
     engine.max_positions = 50
     assert max(warm_up(engine, 512).prompt_lengths) == 48  # room left for its two tokens
     small = LLMEngine(model, config=ContinuousBatchingConfig(num_blocks=8, page_size=8))  # 64 tokens of KV
-    assert max(warm_up(small, 512).prompt_lengths) == 48
+    assert max(warm_up(small, 512).prompt_lengths) == 56  # 56 + 2 tokens fit, 64 + 2 would not
 
 
 def test_the_manager_warms_up_on_the_calling_thread_and_then_serves():
@@ -78,7 +78,7 @@ def test_the_manager_warms_up_on_the_calling_thread_and_then_serves():
     manager.start()
     try:
         report = manager.warm_up(32)
-        assert report.prompt_lengths == (1, 2, 4, 8, 16, 32)
+        assert report.prompt_lengths == (1, 2, 4, 8, 16, 24, 32)
         assert manager.stats().steps == 0 and manager.stats().cached_blocks == 0
         rid = manager.add_request([4, 5, 6], max_new_tokens=3)
         assert len(manager.get_result(rid, timeout=60).generated_tokens) == 3
