@@ -49,9 +49,9 @@ PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; mea
 # rows) and inputs over PACKED_MAX_ROWS run as chunks, so a long run sees a bounded set of shapes. Multiples of 8
 # rather than 16 below 256 rows: a 17-128-token prefill is padded by 3.4 rows on average instead of 7.1, and ran 3.6%
 # faster (W1, paired by prompt length, compile level 1) for ~3 MiB of oneDNN state per added row count (45 MiB for
-# the 16 added, W1's shapes). A prefill
-# runs as one matmul rather than 256-row chunks: 2,016 rows of W1's MLP took 14.4 ms as chunks joined by `cat` and
-# 13.1 ms in one call (its 512-wide projections 5.8 vs 4.7 ms): the join is a copy of the whole output.
+# the 16 added, W1's shapes). A prefill runs as one matmul rather than 256-row chunks: 2,016 rows of W1's MLP took
+# 14.4 ms as chunks joined by `cat` and 13.1 ms in one call (its 512-wide projections 5.8 vs 4.7 ms): the join is a
+# copy of the whole output.
 PACKED_MAX_ROWS = 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_BUCKET = 8
