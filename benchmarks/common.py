@@ -11,6 +11,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -228,11 +229,11 @@ def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     if len(a) != len(b) or not a:
         raise ValueError(f"paired_ratio needs two equally long, non-empty lists (got {len(a)} and {len(b)})")
     logs = [math.log(x / y) for x, y in zip(a, b)]
-    mean = sum(logs) / len(logs)
+    mean = statistics.fmean(logs)
     if len(logs) < 2:
         return math.exp(mean), math.nan, math.nan
-    spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
-    half = (_T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96) * spread / math.sqrt(len(logs))
+    t = _T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
