@@ -16,6 +16,7 @@ from rollout.engine.attention import paged_attention_op
 from rollout.engine.compiled_forward import InductorBackend
 from rollout.engine.cpu_kernel import load_kernel
 from rollout.engine.engine import LLMEngine
+from rollout.engine.packed_linear import packing_available
 from rollout.sampling_params import SamplingParams
 from tests.helpers.models import greedy, greedy_reference, perturbed, random_prompts, run_engine, tiny_model
 
@@ -158,6 +159,31 @@ def test_direct_calls_read_a_replaced_weight(qwen3_model, qwen3_level1):
         reference = _run(_engine(qwen3_model), prompts)
         for out, ref in zip(_run(engine, prompts), reference):
             assert out.generated_tokens == ref.generated_tokens
+    finally:
+        layer.weight = original
+
+
+@pytest.mark.skipif(not packing_available(torch.float32), reason="oneDNN cannot pack fp32 weights here")
+def test_q_k_v_run_as_one_stacked_matmul_that_follows_a_replaced_weight(qwen3_model, qwen3_level1):
+    """The compiled graph runs each layer's q, k and v projections (linears of one input) as one matmul over one
+    packed copy of the three weights stacked, kept instead of (not beside) their own copies; a member replaced by a
+    new tensor is restacked by the next step."""
+    engine = qwen3_level1
+    _run(engine, _prompts(seed=13, lengths=[20, 30]))  # steps of more rows than the small-rows kernel takes
+    linears = engine.runner.linears
+    attention = [layer.self_attn for layer in qwen3_model.model.layers]
+    assert set(linears._stacks) == {(id(a.q_proj.weight), id(a.k_proj.weight), id(a.v_proj.weight))
+                                    for a in attention}
+    assert not any(id(a.q_proj.weight) in linears._packs for a in attention)
+    layer = attention[0].q_proj
+    original = layer.weight
+    prompts = _prompts(seed=14, lengths=[11, 18])
+    try:
+        layer.weight = torch.nn.Parameter(original.detach() * 2.0, requires_grad=False)
+        reference = _run(_engine(qwen3_model), prompts)
+        for out, ref in zip(_run(engine, prompts), reference):
+            assert out.generated_tokens == ref.generated_tokens
+        assert (id(layer.weight), id(attention[0].k_proj.weight), id(attention[0].v_proj.weight)) in linears._stacks
     finally:
         layer.weight = original
 

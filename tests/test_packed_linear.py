@@ -4,6 +4,10 @@ would lay them out (or repacked where that layout could not be verified); only t
 packed."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -12,7 +16,8 @@ from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine import packed_layout, packed_linear
-from rollout.engine.cpu_features import cpu_features
+from rollout.engine.cpu_features import SMALL_MATMUL_ROWS, cpu_features, isa_flags
+from rollout.engine.cpu_kernel import load_kernel, small_matmul
 from rollout.engine.packed_linear import PACK_BATCH_HINT, PackedLinears, packing_available
 from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
 
@@ -94,7 +99,8 @@ def test_only_cpu_fp32_and_bf16_weights_are_packed(dtype):
     assert _packed_count(engine) == (expected if packing_available() else None)
     if expected:
         linears = engine.runner.linears
-        assert not any(entry.current(entry.ref(), linears._epoch) for entry in linears._packs.values())
+        assert not any(entry.current(tuple(ref() for ref in entry.refs), linears._epoch)
+                       for entry in linears._packs.values())
 
 
 def test_asking_for_packing_without_onednn_is_a_clear_error(monkeypatch):
@@ -167,6 +173,7 @@ def test_small_fp32_steps_keep_f_linear_up_to_the_cpus_row_limit(limit):
     layer = torch.nn.Linear(48, 80)
     linears = PackedLinears(layer)
     linears.unpacked_max_rows = limit
+    linears.small_matmul = False  # the small-rows kernel has tests of its own (below)
     with torch.inference_mode(), linears:
         for rows in (1, 2, 4, 5, 16):
             x = torch.randn(1, rows, 48)
@@ -174,6 +181,79 @@ def test_small_fp32_steps_keep_f_linear_up_to_the_cpus_row_limit(limit):
             assert unpacked == (rows <= limit), rows
             out, ref = layer(x), F.linear(x, layer.weight, layer.bias)
             assert torch.equal(out, ref) if unpacked else torch.allclose(out, ref, atol=1e-5)
+
+
+needs_small_matmul = pytest.mark.skipif(load_kernel() is None, reason="the C kernels do not build here")
+
+
+@needs_small_matmul
+@pytest.mark.parametrize("shape", [(80, 48), (81, 50), (7, 300), (1, 16), (4096, 512)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_matmul_kernel_matches_f_linear(shape, bias):
+    """The C kernel for fp32 linears of a few rows: F.linear's values within fp32 rounding for every row count it
+    serves (odd output counts, input widths off its 16-float vectors), each row's result independent of the other
+    rows and of the thread count, bit for bit."""
+    torch.manual_seed(shape[0])
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+    b = torch.randn(out_features) if bias else None
+    x = torch.randn(16, in_features)
+    threads = torch.get_num_threads()
+    for rows in range(1, 17):
+        out = small_matmul(x[:rows], weight, b)
+        assert out.shape == (rows, out_features)
+        assert torch.allclose(out, F.linear(x[:rows], weight, b), atol=1e-5, rtol=1e-5), rows
+        assert torch.equal(out[-1:], small_matmul(x[rows - 1:rows], weight, b)), rows  # the last row alone
+    try:
+        torch.set_num_threads(1)
+        alone = small_matmul(x[:8], weight, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, small_matmul(x[:8], weight, b))
+    strided = torch.randn(8, in_features * 2)[:, ::2]  # rows of another stride, copied for the kernel
+    assert torch.allclose(small_matmul(strided, weight, b), F.linear(strided, weight, b), atol=1e-5, rtol=1e-5)
+
+
+def test_small_matmul_sums_do_not_depend_on_the_vector_width():
+    """An AVX2 build of the kernel (8-float vectors) gives the AVX-512 build's results bit for bit: the same lanes
+    meet the same products, whatever the registers (both have FMA). Checked in a child process built for
+    x86-64-v3, where this CPU runs it."""
+    if load_kernel() is None or "avx2" not in isa_flags() or "fma3" not in isa_flags():
+        pytest.skip("needs the C kernels and an AVX2 + FMA CPU")
+    code = ("import torch; from rollout.engine.cpu_kernel import small_matmul, kernel_build; "
+            "g = torch.Generator().manual_seed(0); x = torch.randn(7, 300, generator=g); "
+            "w = torch.randn(81, 300, generator=g); b = torch.randn(81, generator=g); "
+            "torch.save(small_matmul(x, w, b), __import__('sys').argv[1]); print(kernel_build().isa)")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "out.pt")
+        env = {**os.environ, "ROLLOUT_KERNEL_MARCH": "x86-64-v3"}
+        child = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.split()[-1] == "avx2"
+        g = torch.Generator().manual_seed(0)
+        x, w, b = torch.randn(7, 300, generator=g), torch.randn(81, 300, generator=g), torch.randn(81, generator=g)
+        assert torch.equal(torch.load(path), small_matmul(x, w, b))
+
+
+@needs_fp32_packing
+@pytest.mark.skipif(not cpu_features().small_matmul, reason="the small-rows kernel serves AVX-512 builds only")
+def test_steps_of_a_few_fp32_rows_run_the_small_matmul_kernel_in_the_forward_only():
+    """Inside the engine's forward, fp32 linears of SMALL_MATMUL_ROWS rows run the kernel (the packed copies do not
+    serve them); outside it (another thread, a trainer's forward with autograd) the module is F.linear itself."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    linears = PackedLinears(layer)
+    assert linears.small_matmul
+    low, high = SMALL_MATMUL_ROWS
+    x = torch.randn(1, high + 1, 48)
+    with torch.inference_mode(), linears:
+        for rows in (low, high):
+            assert linears.packed_for(x[:, :rows], layer.weight) is None
+            assert torch.equal(layer(x[:, :rows]), small_matmul(x[:, :rows], layer.weight, layer.bias))
+        assert linears.packed_for(x, layer.weight) is not None  # above the range: the packed copy
+    out = layer(x[:, :low].requires_grad_())  # not inside the forward: autograd through F.linear
+    assert torch.equal(out, F.linear(x[:, :low], layer.weight, layer.bias)) and out.requires_grad
 
 
 # --------------------------------------------------------------------------- in-place refresh after weight updates

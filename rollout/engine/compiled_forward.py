@@ -56,7 +56,7 @@ from transformers import PreTrainedModel
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.attention import StepTensors
 from rollout.engine.cpu_features import cpu_features
-from rollout.engine.packed_linear_op import use_packed_linears, use_silu_gates
+from rollout.engine.packed_linear_op import use_packed_linears, use_silu_gates, use_stacked_linears
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class InductorBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         start = time.perf_counter()
         gates = use_silu_gates(gm, cpu_features().silu_gate_dtypes)
+        stacks = use_stacked_linears(gm)
         linears = use_packed_linears(gm)
         if self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
@@ -104,8 +105,8 @@ class InductorBackend:
         self.compiles += 1  # only after success: dynamo may restart a trace and call the backend again
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
-        logger.info("compiled a forward graph (%s; %d so far, %d packed linears, %d fused SiLU gates) in %.1fs",
-                    self.config, self.compiles, linears, gates, elapsed)
+        logger.info("compiled a forward graph (%s; %d so far, %d packed linears, %d stacks of linears of one input, "
+                    "%d fused SiLU gates) in %.1fs", self.config, self.compiles, linears, stacks, gates, elapsed)
         return CompiledGraph(compiled, gm)
 
 

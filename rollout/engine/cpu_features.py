@@ -43,11 +43,20 @@ SILU_GATE_DTYPES = (torch.float32,)
 # MKL runs generic code paths there, so it keeps the packed copies. ROLLOUT_UNPACKED_MAX_ROWS overrides (0: never).
 UNPACKED_MAX_ROWS_INTEL = 4
 ENV_UNPACKED_MAX_ROWS = "ROLLOUT_UNPACKED_MAX_ROWS"
+# fp32 linears of steps with this many rows run the C kernel csrc/small_matmul.c on the weights as stored, where it
+# is built for AVX-512 (PackedLinears.unpacked_linear): at a few rows a step's linears are bound by streaming the
+# weights from memory, which the kernel does faster than oneDNN or MKL. One pass over W1's linears (103 MB) on a
+# 2-core Ice Lake Xeon, best of 5, ms: 4 rows 8.6-8.8 (MKL 10.3-10.4, packed 9.8-10.0), 8 rows 8.5-10.2 (MKL
+# 11.7-13.2, packed 10.4-11.2); 3 rows on par with MKL, 12-16 with packed. At 1-2 rows MKL's sgemv is as fast or
+# faster (unpacked_max_rows below). Built for AVX2 (-march=x86-64-v3, on the same machine) it was 0.94x packed at
+# 4 rows but 1.2x slower at 8: other builds keep the packed copies and MKL.
+SMALL_MATMUL_ROWS = (3, 8)
+SMALL_MATMUL_ISAS = ("avx512f",)
 
 
 @dataclass(frozen=True)
 class KernelBuild:
-    """How the C attention kernel was built and loaded here, or why it is not used."""
+    """How the C kernels (attention, linears of a few rows) were built and loaded here, or why they are not used."""
 
     available: bool
     march: str = ""
@@ -77,6 +86,11 @@ class CpuFeatures:
     unpacked_max_rows: int = 0  # fp32 linears of steps with at most this many rows use F.linear (MKL)
     kernel: KernelBuild = field(default_factory=lambda: KernelBuild(False, reason="not probed"))
 
+    @property
+    def small_matmul(self) -> bool:
+        """Whether fp32 linears of SMALL_MATMUL_ROWS rows run the small-rows C kernel here."""
+        return self.kernel.available and self.kernel.isa in SMALL_MATMUL_ISAS
+
     def packs(self, dtype: torch.dtype) -> bool:
         """Whether linear weights of `dtype` can be oneDNN-packed here."""
         return dtype in self.packed_dtypes
@@ -93,6 +107,9 @@ class CpuFeatures:
             packing = "unavailable (torch built without oneDNN)"
         fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.silu_gate_dtypes) or "no"
         small = f"F.linear (MKL) up to {self.unpacked_max_rows} rows" if self.unpacked_max_rows else "packed"
+        if self.small_matmul:
+            low, high = SMALL_MATMUL_ROWS
+            small = f"small-rows kernel at {low}-{high} rows, else {small}"
         return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
                 f"oneDNN packed linear: {packing}; fused SiLU gate: {fused}; fp32 linears of small steps: {small}; "
                 f"attention kernel: {self.kernel.describe()}")

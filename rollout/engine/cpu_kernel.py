@@ -44,6 +44,10 @@ from rollout.engine.cpu_features import KernelBuild, cpu_features, isa_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+MATMUL_SOURCE = Path(__file__).with_name("csrc") / "small_matmul.c"  # built into the same library
+# -ffast-math may reassociate sums (split one accumulator into several where a loop has few): each output of the
+# matmul then depends on how the rows were tiled. Its sums keep the written order.
+SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-associative-math"]}
 ENV_SWITCH = "ROLLOUT_CPU_KERNEL"
 ENV_CACHE_DIR = "ROLLOUT_KERNEL_CACHE"
 ENV_MARCH = "ROLLOUT_KERNEL_MARCH"
@@ -96,12 +100,13 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str, march: str, openmp: bool) -> Path:
     """Compile (or reuse) the shared library; returns its path. Raises CalledProcessError/OSError on failure."""
-    source = SOURCE.read_bytes()
+    sources = (SOURCE, MATMUL_SOURCE)
     compile_flags, link_flags = _flags(march, openmp)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(compile_flags + link_flags).encode(),
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), version.encode(),
+                                     " ".join(compile_flags + link_flags).encode(), repr(SOURCE_FLAGS).encode(),
                                      _cpu_signature(march).encode()])).hexdigest()[:16]
-    name = f"paged_attention-{key}.so"
+    name = f"rollout_kernels-{key}.so"
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"rollout-kernels-{os.getuid()}"):
         if (folder / name).exists():
             return folder / name
@@ -113,9 +118,10 @@ def _build(compiler: str, march: str, openmp: bool) -> Path:
             continue  # a read-only home: build under the temp dir instead
     target = folder / name
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / "paged_attention.so"
-        for cmd in ([compiler, *compile_flags, "-c", str(SOURCE), "-o", str(obj)],
-                    [compiler, str(obj), *link_flags, "-o", str(lib)]):
+        objs, lib = [str(Path(tmp) / f"{s.stem}.o") for s in sources], Path(tmp) / "rollout_kernels.so"
+        compiles = [[compiler, *compile_flags, *SOURCE_FLAGS.get(s.name, []), "-c", str(s), "-o", o]
+                    for s, o in zip(sources, objs)]
+        for cmd in [*compiles, [compiler, *objs, *link_flags, "-o", str(lib)]]:
             subprocess.run(cmd, capture_output=True, text=True, check=True)
         os.replace(lib, target)  # atomic: concurrent builders each publish a complete library
     return target
@@ -155,6 +161,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
                    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    fn = lib.rollout_small_matmul
+    fn.restype = None
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+                   + [ctypes.c_int])
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -247,3 +257,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its per-thread scratch memory")
     return out
+
+
+def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for fp32 CPU tensors of a few rows (csrc/small_matmul.c), with the weight read as
+    stored (`[N, K]`, contiguous); no autograd. For the engine's forward only (see packed_linear.SMALL_ROWS)."""
+    lib = load_kernel()
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows, width = flat.shape
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+    lib.rollout_small_matmul(flat.data_ptr(), flat.stride(0), weight.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows,
+                             weight.shape[0], width, torch.get_num_threads())
+    return out.view(*x.shape[:-1], weight.shape[0])

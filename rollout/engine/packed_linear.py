@@ -3,8 +3,10 @@
 Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
 into its blocked layout is faster at the batch sizes that carry the work (about 1.3x at 256 rows and 2x at 16 rows on
 a 2-core AVX-512 EPYC, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts). Below
-that, on Intel CPUs MKL's sgemv reads the weights faster: there steps of a few rows keep `F.linear`
-(cpu_features.UNPACKED_MAX_ROWS_INTEL).
+that, the weights' streaming from memory decides: fp32 steps of 3-8 rows run the C kernel csrc/small_matmul.c on
+AVX-512 builds, and on Intel CPUs MKL's sgemv serves steps of 1-2 rows (cpu_features.SMALL_MATMUL_ROWS,
+UNPACKED_MAX_ROWS_INTEL). Packed copies of weights stacked along their output rows (`stacked_for`) serve the compiled
+forward's linears of one input as one matmul.
 bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
 a long run); packed and bucketed (below) it is a little faster and bounded.
 
@@ -39,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollout.engine import packed_layout
-from rollout.engine.cpu_features import cpu_features
+from rollout.engine import cpu_kernel, packed_layout
+from rollout.engine.cpu_features import SMALL_MATMUL_ROWS, cpu_features
 from rollout.engine.silu_gate import is_silu_gated_mlp
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
@@ -118,42 +120,50 @@ def require_packing(model: torch.nn.Module) -> None:
                          f"CPU supports ({dtype} linears then run on F.linear), or set it to False")
 
 
+def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The values a packed copy holds: one weight, or several stacked along their output rows."""
+    return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+
+
 @dataclass
 class _Pack:
-    """The packed copy of one weight and what it was packed from."""
+    """The packed copy of one weight, or of several weights with one input stacked along their output rows (a
+    layer's q, k and v projections: one matmul instead of three), and what it was packed from."""
 
-    ref: weakref.ref  # the weight (its death drops this entry)
-    data_ptr: int
-    shape: tuple[int, ...]
+    refs: tuple[weakref.ref, ...]  # the weights (the death of any drops this entry)
+    data_ptrs: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
-    version: int  # the weight's version counter when packed
+    versions: tuple[int, ...]  # the weights' version counters when packed
     epoch: int  # PackedLinears._epoch when packed (clear() bumps it: writes through .data bump no version)
     packed: torch.Tensor
     # once refreshed in place: the verified layout of `packed` and its memory as a flat tensor (an alias of it)
     layout: packed_layout.BlockedLayout | None = None
     buffer: torch.Tensor | None = None
 
-    def current(self, weight: torch.Tensor, epoch: int) -> bool:
-        return self.version == weight._version and self.epoch == epoch
+    def current(self, weights: tuple[torch.Tensor, ...], epoch: int) -> bool:
+        return self.epoch == epoch and all(w._version == v for w, v in zip(weights, self.versions))
 
-    def same_tensor(self, weight: torch.Tensor) -> bool:
-        """Whether `weight` is the tensor packed, with the same storage, shape and dtype (its values may differ)."""
-        return self.ref() is weight and self.data_ptr == weight.data_ptr() and self.shape == tuple(weight.shape) \
-            and self.dtype == weight.dtype
+    def same_tensors(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Whether `weights` are the tensors packed, with the same storage, shapes and dtype (their values may
+        differ)."""
+        return len(weights) == len(self.refs) and all(
+            ref() is w and ptr == w.data_ptr() and shape == tuple(w.shape) and w.dtype == self.dtype
+            for ref, ptr, shape, w in zip(self.refs, self.data_ptrs, self.shapes, weights))
 
-    def refresh_in_place(self, weight: torch.Tensor) -> bool:
-        """Write the new values of `weight` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
+    def refresh_in_place(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Write the new values of `weights` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
         them out; False, with nothing written, where no verified layout fits (the caller then repacks in full)."""
         if self.buffer is None:
-            layout = packed_layout.layout_for(self.shape, self.dtype, PACK_BATCH_HINT) if len(self.shape) == 2 \
-                else None
+            shape = (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
+            layout = packed_layout.layout_for(shape, self.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
             buffer = layout.buffer(self.packed) if layout is not None else None
             if buffer is None:
                 return False
             self.layout, self.buffer = layout, buffer
         with torch.no_grad():
-            self.layout.write_flat(self.buffer, weight.detach())
-        self.version = weight._version
+            self.layout.write_flat(self.buffer, _stacked(weights))
+        self.versions = tuple(w._version for w in weights)
         return True
 
 
@@ -165,9 +175,15 @@ class PackedLinears:
         self.model = model
         # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu_features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
-        # fp32 inputs of at most this many rows keep F.linear (cpu_features.UNPACKED_MAX_ROWS_INTEL: MKL's sgemv)
-        self.unpacked_max_rows = cpu_features().unpacked_max_rows
+        # fp32 inputs of at most this many rows skip the packed copies: F.linear (cpu_features.UNPACKED_MAX_ROWS_INTEL:
+        # MKL's sgemv) or, from SMALL_MATMUL_ROWS[0] rows on, the small-rows kernel where it is built
+        self.small_matmul = cpu_features().small_matmul and torch.float32 in self.dtypes
+        self.unpacked_max_rows = max(cpu_features().unpacked_max_rows,
+                                     SMALL_MATMUL_ROWS[1] if self.small_matmul else 0)
         self._packs: dict[int, _Pack] = {}  # by id(weight)
+        # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own
+        self._stacks: dict[tuple[int, ...], _Pack] = {}
+        self._in_stacks: set[int] = set()
         self._epoch = 0
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
@@ -178,18 +194,22 @@ class PackedLinears:
         self._checked: tuple[int, list] | None = None
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
-        entry = self._packs.get(id(weight))
-        if entry is not None and entry.same_tensor(weight):
-            if entry.current(weight, self._epoch):
+        return self._pack_of((weight,), self._packs, id(weight))
+
+    def _pack_of(self, weights: tuple[torch.Tensor, ...], store: dict, key) -> torch.Tensor:
+        """The current packed copy of `weights` (stacked when several) kept in `store[key]`: reused, refreshed in
+        place, or packed anew."""
+        entry = store.get(key)
+        if entry is not None and entry.same_tensors(weights):
+            if entry.current(weights, self._epoch):
                 return entry.packed
-            if entry.refresh_in_place(weight):
+            if entry.refresh_in_place(weights):
                 entry.epoch = self._epoch
                 return entry.packed
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-        key, packs = id(weight), self._packs
-        ref = weakref.ref(weight, lambda _: packs.pop(key, None))  # a freed weight frees its packed copy
-        packs[key] = _Pack(ref, weight.data_ptr(), tuple(weight.shape), weight.dtype, weight._version, self._epoch,
-                           packed)
+        packed = torch.ops.mkldnn._reorder_linear_weight(_stacked(weights), PACK_BATCH_HINT)
+        refs = tuple(weakref.ref(w, lambda _: store.pop(key, None)) for w in weights)  # a freed weight frees it
+        store[key] = _Pack(refs, tuple(w.data_ptr() for w in weights), tuple(tuple(w.shape) for w in weights),
+                           weights[0].dtype, tuple(w._version for w in weights), self._epoch, packed)
         return packed
 
     def clear(self) -> None:
@@ -203,14 +223,24 @@ class PackedLinears:
         live = {id(module.weight) for module, _ in self._linear_targets()}
         for key in [key for key in self._packs if key not in live]:
             del self._packs[key]
+        for key in [key for key in self._stacks if not live.issuperset(key)]:
+            del self._stacks[key]
 
     def prepare(self) -> None:
         """Pack (or refresh) now every weight the next forward would pack, so that forward pays nothing for it."""
         with torch.no_grad():
+            stacked = self._stacked_ids()
             for module, _ in self._linear_targets():
                 weight = module.weight
-                if self._packable(weight):
+                if self._packable(weight) and id(weight) not in stacked:
                     self._packed(weight)
+            for key, entry in list(self._stacks.items()):
+                weights = tuple(ref() for ref in entry.refs)
+                if all(w is not None for w in weights):
+                    self._pack_of(weights, self._stacks, key)
+
+    def _stacked_ids(self) -> set[int]:
+        return {i for key in self._stacks for i in key}
 
     def _packable(self, weight: torch.Tensor) -> bool:
         return weight.dtype in self.dtypes and weight.device.type == "cpu" and weight.layout == torch.strided
@@ -260,6 +290,22 @@ class PackedLinears:
         """`F.linear(x, weight, bias)` through the packed copy of `weight` (packed or refreshed now if needed)."""
         return self.run(x, self._packed(weight), bias)
 
+    def unpacked_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` where no packed copy serves it (`packed_for` gave None); inside a forward on
+        this thread, fp32 inputs of SMALL_MATMUL_ROWS rows run the small-rows kernel on the weight as stored."""
+        if self._small_matmul_serves(x, weight, bias):
+            return cpu_kernel.small_matmul(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def _small_matmul_serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if not (self.small_matmul and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel()):
+            return False
+        if getattr(self._active, "table", None) is None or weight.device.type != "cpu" or not weight.is_contiguous():
+            return False  # not this thread's forward (a trainer's keeps F.linear and its autograd), or a view
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return False
+        return SMALL_MATMUL_ROWS[0] <= x.numel() // x.shape[-1] <= SMALL_MATMUL_ROWS[1]
+
     def packed_for(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """Inside a forward on this thread (`with linears:` or `serving()`): the packed copy that serves
         `linear(x, weight)`, or None where F.linear must (another thread, an input not of the weight's dtype, an
@@ -274,6 +320,30 @@ class PackedLinears:
             return None
         if x.dtype == torch.float32 and x.numel() <= self.unpacked_max_rows * x.shape[-1]:
             return None
+        return packed
+
+    def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that
+        their linears of the one input `x` run as one matmul (`run`, then split the columns); None where they must
+        run apart (the conditions of `packed_for`). The first call packs the stack and drops the members' own packed
+        copies: a member called alone later runs `F.linear`."""
+        stacked = getattr(self._active, "stacked", None)
+        if stacked is None or x.dtype != weights[0].dtype or not x.numel():
+            return None
+        if x.dtype == torch.float32 and x.numel() <= self.unpacked_max_rows * x.shape[-1]:
+            return None
+        key = tuple(map(id, weights))
+        packed = stacked.get(key)
+        if packed is None:
+            if not all(self._packable(w) and w.dtype == x.dtype for w in weights):
+                return None
+            fresh = key not in self._stacks
+            with torch.no_grad():
+                packed = stacked[key] = self._pack_of(weights, self._stacks, key)
+            if fresh:
+                for w in weights:
+                    self._packs.pop(id(w), None)
+                self._checked = None  # the next forward's table leaves the members out
         return packed
 
     def silu_gate_for(self, x: torch.Tensor, gate_weight: torch.Tensor,
@@ -294,19 +364,21 @@ class PackedLinears:
                 for module, weight, version in self._checked[1]):
             self._build_table()
         self._active.table = self._table
+        self._active.stacked = {}  # stacks checked in this forward
 
     def _build_table(self) -> None:
         with torch.no_grad():
-            checked, table = [], {}
+            checked, table, stacked = [], {}, self._stacked_ids()
             for module, _ in self._linear_targets():
                 weight = module._parameters.get("weight")
                 if weight is not None and self._packable(weight):
-                    table[id(weight)] = self._packed(weight)
+                    if id(weight) not in stacked:
+                        table[id(weight)] = self._packed(weight)
                     checked.append((module, weight, weight._version))
         self._table, self._checked = table, (self._epoch, checked)
 
     def _end(self) -> None:
-        self._active.table = None
+        self._active.table = self._active.stacked = None
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[PackedLinears]:
@@ -324,7 +396,7 @@ class PackedLinears:
             weight = module.weight
             packed = this.packed_for(x, weight)
             if packed is None:
-                return F.linear(x, weight, module.bias)
+                return this.unpacked_linear(x, weight, module.bias)
             return this.run(x, packed, module.bias)
         return forward
 

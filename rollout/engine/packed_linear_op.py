@@ -5,7 +5,9 @@ dynamo cannot trace without a graph break per layer, and inductor's own CPU matm
 slower than the packed one. The compiled forward's backend (compiled_forward.py) rewrites every `F.linear` of the
 traced graph into this op, so inductor fuses the norms, RoPE and residual adds around it while the matmul itself
 stays packed. A SiLU-gated MLP's `silu(gate(x)) * up(x)` becomes one `rollout::packed_silu_gate` where this CPU
-fuses the dtype (silu_gate.py): its SiLU and product run as oneDNN post-ops of the two matmuls. The weight stays a
+fuses the dtype (silu_gate.py): its SiLU and product run as oneDNN post-ops of the two matmuls. Linears of one
+input (a layer's q, k and v projections) become one `rollout::packed_linears`: one matmul over their weights stacked
+(a pass over W1's linears at 8 rows 0.91x the time, at 16 rows 0.85x, at 200 rows 0.95x). The weight stays a
 graph input (no inductor `freezing`): a weight update in place changes what the next call computes, with no
 recompilation.
 
@@ -47,10 +49,22 @@ def active_linears(linears: PackedLinears | None) -> Iterator[None]:
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed copy of `weight` when this thread's engine packs it."""
     linears: PackedLinears | None = getattr(_active, "linears", None)
-    packed = linears.packed_for(x, weight) if linears is not None else None
-    if packed is None:
+    if linears is None:
         return F.linear(x, weight, bias)
+    packed = linears.packed_for(x, weight)
+    if packed is None:
+        return linears.unpacked_linear(x, weight, bias)
     return linears.run(x, packed, bias)
+
+
+def packed_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """`cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)`: one matmul over the stacked packed copy of
+    the weights where this thread's engine packs them (PackedLinears.stacked_for), else the linears apart."""
+    linears: PackedLinears | None = getattr(_active, "linears", None)
+    packed = linears.stacked_for(x, tuple(weights)) if linears is not None else None
+    if packed is None:
+        return torch.cat([packed_linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+    return linears.run(x, packed, None if biases[0] is None else torch.cat(biases))
 
 
 def packed_silu_gate(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
@@ -68,6 +82,10 @@ def _fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def _fake_linears(x, weights, biases):
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+
+
 def _fake_silu_gate(x, gate_weight, gate_bias, up_weight, up_bias):
     return x.new_empty(*x.shape[:-1], gate_weight.shape[0])
 
@@ -78,6 +96,9 @@ _LIBRARY = torch.library.Library("rollout", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("rollout::packed_linear", _fake, lib=_LIBRARY)
+_LIBRARY.define("packed_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
+_LIBRARY.impl("packed_linears", packed_linears, "CompositeExplicitAutograd")
+torch.library.register_fake("rollout::packed_linears", _fake_linears, lib=_LIBRARY)
 _LIBRARY.define("packed_silu_gate(Tensor x, Tensor gate_weight, Tensor? gate_bias, Tensor up_weight, "
                 "Tensor? up_bias) -> Tensor")
 _LIBRARY.impl("packed_silu_gate", packed_silu_gate, "CompositeExplicitAutograd")
@@ -103,6 +124,55 @@ def use_packed_linears(gm: torch.fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+def use_stacked_linears(gm: torch.fx.GraphModule) -> int:
+    """Rewrite the `F.linear` calls of a dynamo graph that share one input (a layer's q, k and v projections) into
+    one `rollout::packed_linears` whose columns are split back into their results; returns how many groups. Only
+    linears whose weights have one dtype and biases all present or all absent are stacked."""
+    groups: dict[torch.fx.Node, list[tuple[torch.fx.Node, tuple]]] = {}
+    for node in gm.graph.nodes:
+        linear = _linear_args(node)
+        if linear is not None and isinstance(linear[0], torch.fx.Node):
+            groups.setdefault(linear[0], []).append((node, linear))
+    count = 0
+    for x, members in groups.items():
+        members = _stackable(members)
+        if len(members) < 2:
+            continue
+        weights = [args[1] for _, args in members]
+        biases = [args[2] for _, args in members]
+        sizes = [_example(w).shape[0] for w in weights]
+        with gm.graph.inserting_before(members[0][0]):
+            stacked = gm.graph.call_function(torch.ops.rollout.packed_linears.default, (x, weights, biases))
+            parts = gm.graph.call_function(torch.split, (stacked, sizes), {"dim": -1})
+            for i, (node, _) in enumerate(members):
+                part = gm.graph.call_function(operator.getitem, (parts, i))
+                part.meta.update(node.meta)
+                node.replace_all_uses_with(part)
+        for node, _ in members:
+            gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _example(node) -> torch.Tensor | None:
+    example = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return example if isinstance(example, torch.Tensor) else None
+
+
+def _stackable(members: list[tuple[torch.fx.Node, tuple]]) -> list[tuple[torch.fx.Node, tuple]]:
+    """The members of a group of linears of one input that can run as one stacked matmul: the largest set of 2-D
+    weights of one dtype with the first member's bias presence (all biases tensors, or all None)."""
+    weights = [_example(args[1]) for _, args in members]
+    if len(members) < 2 or any(w is None or w.dim() != 2 for w in weights):
+        return []
+    first_bias = members[0][1][2] is None
+    kept = [(node, args) for (node, args), w in zip(members, weights)
+            if w.dtype == weights[0].dtype and (args[2] is None) == first_bias]
+    return kept
 
 
 def use_silu_gates(gm: torch.fx.GraphModule, dtypes: frozenset[torch.dtype]) -> int:

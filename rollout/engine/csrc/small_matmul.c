@@ -1,0 +1,124 @@
+/* fp32 linear layers of a few rows: out[m, n] = x[m, :] . w[n, :] + bias[n], reading the weight as it is stored.
+ *
+ * Why a kernel: a decode step of a few sequences reads every weight once and does a few FMAs per value, so its
+ * linears are bound by how fast the weights stream from memory. oneDNN's matmul on the packed copies and MKL's sgemm
+ * both stream them well under the machine's bandwidth at 3-8 rows (one pass over a 103 MB model: 10-12 ms at 8 rows
+ * where one row through MKL's sgemv takes 6.5 ms; this kernel 8.5-10 ms). Here each thread walks its own run of weight
+ * rows front to back with a software prefetch a few KiB ahead, two weight rows at a time against up to 8 input rows
+ * kept in L1 (2 where the vector registers are AVX2's or fewer). The engine uses it on AVX-512 builds only
+ * (cpu_features.SMALL_MATMUL_ISAS).
+ *
+ * Layout: x [M, K] with row stride ldx (unit stride within a row); w [N, K] contiguous; bias [N] or NULL; out [M, N]
+ * with row stride ldo. Portable C with GCC/Clang vector types (lowered to the target's registers) and no intrinsics,
+ * like paged_attention.c; the sums are in a fixed order that depends on K only, never on the thread count, the
+ * number of rows or the vector width (every output is one dot product, however the rows are tiled).
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* A step over K covers 16 floats, held as SPLIT vectors of WIDTH floats: one register on AVX-512, two on AVX2 (a
+ * 16-float vector type there is split by the compiler and spilled to the stack). Lane l of a step always accumulates
+ * the products at k = 16 i + l, so the sums are the same on every ISA. */
+#ifdef __AVX512F__
+#define WIDTH 16
+#define ROWS 8 /* input rows per tile: 8 x 2 accumulators stay in the 32 vector registers */
+#else
+#define WIDTH 8
+#define ROWS 2 /* 2 x 2 x 2 accumulators of 8 floats: 8 of AVX2's 16 registers */
+#endif
+#define STEP 16
+#define SPLIT (STEP / WIDTH)
+#define PAIR 2 /* weight rows walked together: each input vector loaded serves two FMAs */
+#define PREFETCH 1024 /* floats ahead of the weight rows being read (4 KiB): memory latency hidden */
+#define PAIRS_PER_GRAB 16 /* weight-row pairs a thread takes at a time (dynamic: a preempted thread's share moves) */
+
+typedef float vec_t __attribute__((vector_size(WIDTH * sizeof(float))));
+
+static inline vec_t load(const float *p) {
+    vec_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The 16 lanes of one accumulator (its SPLIT vectors in order) summed pairwise in a fixed order. */
+static inline float sum_lanes(const vec_t *parts) {
+    float lane[STEP], half[8], quarter[4];
+    memcpy(lane, parts, sizeof lane);
+    for (int i = 0; i < 8; i++) half[i] = lane[i] + lane[i + 8];
+    for (int i = 0; i < 4; i++) quarter[i] = half[i] + half[i + 4];
+    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+/* Outputs (m, n) for m < rows and n in {n0, n0 + 1}: `rows` is a compile-time constant at every call site, so the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *w, const float *bias,
+                                                       float *out, int64_t ldo, int64_t n0, int64_t k_len,
+                                                       const int rows) {
+    vec_t acc[ROWS][PAIR][SPLIT];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < PAIR; j++)
+            for (int h = 0; h < SPLIT; h++) acc[m][j][h] = (vec_t){0};
+    const float *w0 = w + n0 * k_len, *w1 = w0 + k_len;
+    int64_t k = 0;
+    for (; k + STEP <= k_len; k += STEP) {
+        /* the pair's two rows are adjacent: 2 * k_len floats read front to back, two lines per step */
+        __builtin_prefetch(w0 + PREFETCH + 2 * k);
+        __builtin_prefetch(w0 + PREFETCH + 2 * k + STEP);
+        for (int h = 0; h < SPLIT; h++) {
+            const vec_t a = load(w0 + k + h * WIDTH), b = load(w1 + k + h * WIDTH);
+            for (int m = 0; m < rows; m++) {
+                const vec_t xv = load(x + m * ldx + k + h * WIDTH);
+                acc[m][0][h] += xv * a;
+                acc[m][1][h] += xv * b;
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float s0 = sum_lanes(acc[m][0]), s1 = sum_lanes(acc[m][1]);
+        for (int64_t i = k; i < k_len; i++) {
+            s0 += x[m * ldx + i] * w0[i];
+            s1 += x[m * ldx + i] * w1[i];
+        }
+        if (bias) s0 += bias[n0], s1 += bias[n0 + 1];
+        out[m * ldo + n0] = s0;
+        out[m * ldo + n0 + 1] = s1;
+    }
+}
+
+/* The pair (n0, n0 + 1) for all `m_len` rows: tiles of ROWS, then of 4, 2 and 1 below it. */
+static void pair_all_rows(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
+                          int64_t n0, int64_t m_len, int64_t k_len) {
+    int64_t m = 0;
+    for (; m + ROWS <= m_len; m += ROWS) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, ROWS);
+#if ROWS > 4
+    if (m_len - m >= 4) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 4), m += 4;
+#endif
+#if ROWS > 2
+    if (m_len - m >= 2) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 2), m += 2;
+#endif
+    if (m_len - m >= 1) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 1);
+}
+
+/* The last output column of an odd N, one dot product per row (the same lanes and sum as a tile's). */
+static void last_column(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
+                        int64_t n, int64_t m_len, int64_t k_len) {
+    const float *row = w + n * k_len;
+    for (int64_t m = 0; m < m_len; m++) {
+        vec_t acc[SPLIT];
+        for (int h = 0; h < SPLIT; h++) acc[h] = (vec_t){0};
+        int64_t k = 0;
+        for (; k + STEP <= k_len; k += STEP)
+            for (int h = 0; h < SPLIT; h++) acc[h] += load(x + m * ldx + k + h * WIDTH) * load(row + k + h * WIDTH);
+        float s = sum_lanes(acc);
+        for (; k < k_len; k++) s += x[m * ldx + k] * row[k];
+        out[m * ldo + n] = bias ? s + bias[n] : s;
+    }
+}
+
+void rollout_small_matmul(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
+                          int64_t m_len, int64_t n_len, int64_t k_len, int num_threads) {
+    const int64_t pairs = n_len / PAIR;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, PAIRS_PER_GRAB)
+    for (int64_t p = 0; p < pairs; p++) pair_all_rows(x, ldx, w, bias, out, ldo, p * PAIR, m_len, k_len);
+    if (n_len % PAIR) last_column(x, ldx, w, bias, out, ldo, n_len - 1, m_len, k_len);
+}
