@@ -1,10 +1,12 @@
-"""Steps of a few rows on CPU: `F.linear` (MKL) vs the engine's oneDNN-packed copies, the measurement behind the
-small-step row limit in rollout/engine/cpu_features.py (UNPACKED_MAX_ROWS_INTEL).
+"""Steps of a few rows on CPU: `F.linear` (MKL) vs the engine's oneDNN-packed copies vs the small-rows C kernel
+(csrc/small_matmul.c), the measurement behind the small-step rules in rollout/engine/cpu_features.py
+(UNPACKED_MAX_ROWS_INTEL, SMALL_MATMUL_ROWS).
 
 1. One pass over all of W1's linear weights (8 layers and the lm_head, distinct tensors: ~103 MB, more than a last-level
    cache, as in a decode step) at 1-16 rows, with each kernel, alternated, best of `--rounds`.
-2. The engine itself: one greedy request of `--new-tokens` tokens (1 row per decode step) and four at once (4 rows),
-   with the packed copies at every size and with `F.linear` up to `--limit` rows, alternated on the same engine.
+2. The engine itself: greedy requests of `--new-tokens` tokens, 1, 4 and 8 at once (that many rows per decode step),
+   with the packed copies at every size, with `F.linear` up to `--limit` rows, and as shipped (the small-rows kernel
+   where it serves, see the CPU line), alternated on the same engine.
 
     python benchmarks/small_steps.py
     python benchmarks/small_steps.py --compile-level 1 --limit 4
@@ -24,26 +26,39 @@ import torch
 from benchmarks.common import build_model, format_table, log, seconds_per_call
 from benchmarks.roofline import MATMUL_KINDS, linear_shapes, matmul_fn
 
+KINDS = (*MATMUL_KINDS, "small_matmul")
+
+
+def _calls(kind: str, inputs: dict, weights: list):
+    if kind != "small_matmul":
+        return [matmul_fn(kind, inputs[w.shape[1]], w) for w in weights]
+    from rollout.engine.cpu_kernel import load_kernel, small_matmul
+
+    if load_kernel() is None:
+        return [None]
+    return [lambda x=inputs[w.shape[1]], w=w: small_matmul(x, w, None) for w in weights]
+
 
 def linear_pass_rows(rounds: int) -> list[list]:
     weights = [torch.randn(fan_out, fan_in) for _, fan_in, fan_out, count in linear_shapes() for _ in range(count)]
     megabytes = sum(w.numel() for w in weights) * 4 / 1e6
     rows_out = []
-    for rows in (1, 2, 4, 8, 16):
+    for rows in (1, 2, 3, 4, 8, 12, 16):
         inputs = {width: torch.randn(rows, width) for width in {w.shape[1] for w in weights}}
         passes = {}
-        for kind in MATMUL_KINDS:  # F.linear, then the packed copies (packed here, outside the timing)
-            calls = [matmul_fn(kind, inputs[w.shape[1]], w) for w in weights]
+        for kind in KINDS:  # F.linear, the packed copies (packed here, outside the timing), the C kernel
+            calls = _calls(kind, inputs, weights)
             if None in calls:
-                raise SystemExit("this torch cannot pack fp32 linear weights (no oneDNN): nothing to compare")
+                if kind == "onednn_packed":
+                    raise SystemExit("this torch cannot pack fp32 linear weights (no oneDNN): nothing to compare")
+                continue  # no C compiler: no kernel column
             passes[kind] = lambda calls=calls: [call() for call in calls]
-        best = dict.fromkeys(MATMUL_KINDS, float("inf"))
+        best = dict.fromkeys(passes, float("inf"))
         for _ in range(rounds):  # the kernels alternate, round by round
-            for kind in MATMUL_KINDS:
+            for kind in passes:
                 best[kind] = min(best[kind], seconds_per_call(passes[kind], 0.5))
-        a, b = best["f_linear"], best["onednn_packed"]
-        rows_out.append([f"linear pass, {rows} rows ({megabytes:.0f} MB of weights)", f"{a * 1e3:.2f}",
-                         f"{b * 1e3:.2f}", f"{b / a:.2f}x"])
+        rows_out.append([f"linear pass, {rows} rows ({megabytes:.0f} MB of weights)",
+                         *(f"{best[k] * 1e3:.2f}" if k in best else "-" for k in KINDS)])
     return rows_out
 
 
@@ -55,10 +70,12 @@ def engine_rows(args) -> list[list]:
     linears = engine.runner.linears
     if linears is None:
         raise SystemExit("this engine does not pack its linears (no oneDNN here?)")
+    shipped = (linears.unpacked_max_rows, linears.small_matmul)
+    settings = {"f_linear": (args.limit, False), "onednn_packed": (0, False), "shipped": shipped}
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     out = []
-    for streams in (1, 4):
+    for streams in (1, 4, 8):
         prompts = [torch.randint(0, model.config.vocab_size, (64,), generator=gen).tolist() for _ in range(streams)]
 
         def generate(prompts=prompts):
@@ -67,20 +84,18 @@ def engine_rows(args) -> list[list]:
             while engine.has_unfinished():
                 engine.step()
 
-        times: dict[int, float] = {}
-        for limit in (0, args.limit, 0, args.limit):  # warm-up round, then timed rounds
-            linears.unpacked_max_rows = limit
-            generate()
-        for _ in range(args.rounds):
-            for limit in (0, args.limit):
-                linears.unpacked_max_rows = limit
+        times: dict[str, float] = {}
+        for rnd in range(args.rounds + 1):  # a warm-up round, then timed rounds
+            for name, (limit, small) in settings.items():
+                linears.unpacked_max_rows, linears.small_matmul = limit, small
                 start = time.perf_counter()
                 generate()
-                times[limit] = min(times.get(limit, float("inf")), time.perf_counter() - start)
-        per_token = {limit: seconds / args.new_tokens * 1e3 for limit, seconds in times.items()}
-        unpacked, packed = per_token[args.limit], per_token[0]
-        out.append([f"engine step, {streams} row(s), level {args.compile_level} (ms per step)", f"{unpacked:.2f}",
-                    f"{packed:.2f}", f"{packed / unpacked:.2f}x"])
+                if rnd:
+                    times[name] = min(times.get(name, float("inf")), time.perf_counter() - start)
+        linears.unpacked_max_rows, linears.small_matmul = shipped
+        ms = {name: seconds / args.new_tokens * 1e3 for name, seconds in times.items()}
+        out.append([f"engine step, {streams} row(s), level {args.compile_level} (ms per step)", f"{ms['f_linear']:.2f}",
+                    f"{ms['onednn_packed']:.2f}", f"{ms['shipped']:.2f} (as shipped)"])
     return out
 
 
@@ -89,7 +104,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile-level", type=int, default=1)
-    parser.add_argument("--limit", type=int, default=4, help="F.linear up to this many rows in the engine rows")
+    parser.add_argument("--limit", type=int, default=8, help="F.linear up to this many rows in the engine rows")
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -97,7 +112,7 @@ def main() -> None:
 
     log(f"CPU: {cpu_features().describe()}")
     rows = linear_pass_rows(args.rounds) + engine_rows(args)
-    print(format_table(["measure (fp32)", "F.linear ms", "packed ms", "packed / F.linear"], rows))
+    print(format_table(["measure (fp32)", "F.linear ms", "packed ms", "small-rows kernel ms"], rows))
 
 
 if __name__ == "__main__":

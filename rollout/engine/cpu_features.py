@@ -106,10 +106,12 @@ class CpuFeatures:
         if not self.onednn:
             packing = "unavailable (torch built without oneDNN)"
         fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.silu_gate_dtypes) or "no"
-        small = f"F.linear (MKL) up to {self.unpacked_max_rows} rows" if self.unpacked_max_rows else "packed"
+        low, high = SMALL_MATMUL_ROWS
+        mkl = min(self.unpacked_max_rows, low - 1) if self.small_matmul else self.unpacked_max_rows
+        parts = [f"F.linear (MKL) up to {mkl} rows"] if mkl else []
         if self.small_matmul:
-            low, high = SMALL_MATMUL_ROWS
-            small = f"small-rows kernel at {low}-{high} rows, else {small}"
+            parts.append(f"the small-rows kernel at {low}-{high} rows")
+        small = ", ".join([*parts, "packed otherwise"]) if parts else "packed"
         return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
                 f"oneDNN packed linear: {packing}; fused SiLU gate: {fused}; fp32 linears of small steps: {small}; "
                 f"attention kernel: {self.kernel.describe()}")
