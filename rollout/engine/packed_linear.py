@@ -183,7 +183,6 @@ class PackedLinears:
         self._packs: dict[int, _Pack] = {}  # by id(weight)
         # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own
         self._stacks: dict[tuple[int, ...], _Pack] = {}
-        self._in_stacks: set[int] = set()
         self._epoch = 0
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
@@ -326,7 +325,7 @@ class PackedLinears:
         """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that
         their linears of the one input `x` run as one matmul (`run`, then split the columns); None where they must
         run apart (the conditions of `packed_for`). The first call packs the stack and drops the members' own packed
-        copies: a member called alone later runs `F.linear`."""
+        copies: a member called alone later runs unpacked (`unpacked_linear`)."""
         stacked = getattr(self._active, "stacked", None)
         if stacked is None or x.dtype != weights[0].dtype or not x.numel():
             return None
