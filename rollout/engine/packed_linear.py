@@ -315,11 +315,14 @@ class PackedLinears:
         if table is None:
             return None
         packed = table.get(id(weight))
-        if packed is None or x.dtype != weight.dtype or not x.numel():
-            return None
-        if x.dtype == torch.float32 and x.numel() <= self.unpacked_max_rows * x.shape[-1]:
-            return None
-        return packed
+        return packed if packed is not None and self._packed_input(x, weight.dtype) else None
+
+    def _packed_input(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether packed copies of weights of `dtype` serve input `x`: not for another dtype or an empty input, nor
+        for fp32 inputs of at most `unpacked_max_rows` rows (`unpacked_linear` is faster there)."""
+        if x.dtype != dtype or not x.numel():
+            return False
+        return x.dtype != torch.float32 or x.numel() > self.unpacked_max_rows * x.shape[-1]
 
     def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that
@@ -327,9 +330,7 @@ class PackedLinears:
         run apart (the conditions of `packed_for`). The first call packs the stack and drops the members' own packed
         copies: a member called alone later runs unpacked (`unpacked_linear`)."""
         stacked = getattr(self._active, "stacked", None)
-        if stacked is None or x.dtype != weights[0].dtype or not x.numel():
-            return None
-        if x.dtype == torch.float32 and x.numel() <= self.unpacked_max_rows * x.shape[-1]:
+        if stacked is None or not self._packed_input(x, weights[0].dtype):
             return None
         key = tuple(map(id, weights))
         packed = stacked.get(key)

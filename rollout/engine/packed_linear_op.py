@@ -164,15 +164,22 @@ def _example(node) -> torch.Tensor | None:
 
 
 def _stackable(members: list[tuple[torch.fx.Node, tuple]]) -> list[tuple[torch.fx.Node, tuple]]:
-    """The members of a group of linears of one input that can run as one stacked matmul: the largest set of 2-D
-    weights of one dtype with the first member's bias presence (all biases tensors, or all None)."""
+    """The members of a group of linears of one input that can run as one stacked matmul: those with the first
+    member's weight dtype and bias presence (all biases tensors, or all None). Only when every weight is a 2-D graph
+    input, as are the biases: the stacked call goes where the first member was, before any node computed later, and
+    the engine packs only the model's own weights (graph inputs) anyway."""
     weights = [_example(args[1]) for _, args in members]
     if len(members) < 2 or any(w is None or w.dim() != 2 for w in weights):
         return []
+    if not all(_graph_input(args[1]) and (args[2] is None or _graph_input(args[2])) for _, args in members):
+        return []
     first_bias = members[0][1][2] is None
-    kept = [(node, args) for (node, args), w in zip(members, weights)
+    return [(node, args) for (node, args), w in zip(members, weights)
             if w.dtype == weights[0].dtype and (args[2] is None) == first_bias]
-    return kept
+
+
+def _graph_input(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr")
 
 
 def use_silu_gates(gm: torch.fx.GraphModule, dtypes: frozenset[torch.dtype]) -> int:
