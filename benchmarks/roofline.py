@@ -64,13 +64,21 @@ def flops_per_token(context: float, cfg: dict = MODEL_CONFIG) -> dict:
     return dict(linear=linear, attention=attention, total=linear + attention)
 
 
-MATMUL_KINDS = ("f_linear", "onednn_packed")
+MATMUL_KINDS = ("f_linear", "onednn_packed", "mkl_packed")
 
 
 def matmul_fn(kind: str, x: torch.Tensor, w: torch.Tensor):
-    """A call of `x @ w.T` with kernel `kind` (MATMUL_KINDS), or None where this torch cannot pack `w`'s dtype."""
+    """A call of `x @ w.T` with kernel `kind` (MATMUL_KINDS), or None where this torch cannot pack `w`'s dtype with
+    that kernel (MKL's packed sgemm: fp32 only, where rollout.engine.mkl_packed finds it)."""
     if kind == "f_linear":
         return lambda: F.linear(x, w)
+    if kind == "mkl_packed":
+        from rollout.engine import mkl_packed
+
+        if w.dtype != torch.float32 or not mkl_packed.available():
+            return None
+        packed = mkl_packed.MklPackedWeight(w)
+        return lambda: packed.linear(x)
     from rollout.engine.packed_linear import PACK_BATCH_HINT, packing_available
 
     if not packing_available(w.dtype):
@@ -268,12 +276,15 @@ def main(argv=None) -> None:
     print(f"roofline  dtype={args.dtype}  threads={report['threads']}  torch {report['env']['torch']}  "
           f"matmul rows={args.tokens}  (matmul timing: cpu util {mm['cpu_util']:.2f}, load {mm['load_mean']:.1f})")
     rows = [[r["name"], r["shape"], r["count"], f"{r['gflops_by_kind']['f_linear']:.1f}",
-             f"{r['gflops_by_kind']['onednn_packed']:.1f}", f"{1e3 * r['seconds']:.3f}"] for r in mm["shapes"]]
-    print(format_table(["layer", "x @ W^T", "per fwd", "F.linear GFLOP/s", "oneDNN packed GFLOP/s", "best ms"], rows))
+             f"{r['gflops_by_kind']['onednn_packed']:.1f}", f"{r['gflops_by_kind']['mkl_packed']:.1f}",
+             f"{1e3 * r['seconds']:.3f}"] for r in mm["shapes"]]
+    print(format_table(["layer", "x @ W^T", "per fwd", "F.linear GFLOP/s", "oneDNN packed GFLOP/s",
+                        "MKL packed GFLOP/s", "best ms"], rows))
     by_kind = mm["gflops_by_kind"]
     print(f"all linears of one forward at {args.tokens} tokens: {mm['forward_flops'] / 1e9:.2f} GFLOP in "
           f"{1e3 * mm['forward_matmul_s']:.2f} ms = {mm['gflops']:.1f} GFLOP/s with the best kernel per shape "
-          f"(F.linear alone: {by_kind['f_linear']:.1f}, oneDNN packed alone: {by_kind['onednn_packed']:.1f})")
+          f"(F.linear alone: {by_kind['f_linear']:.1f}, oneDNN packed alone: {by_kind['onednn_packed']:.1f}, MKL "
+          f"packed alone: {by_kind['mkl_packed']:.1f})")
     print(f"FLOPs/token: linear {fpt['linear'] / 1e6:.2f} M (2 x {fpt['linear'] // 2:,} weights incl. lm_head), "
           f"attention {fpt['attention'] / 1e6:.2f} M at context {context:.0f}, total {fpt['total'] / 1e6:.2f} M")
     print(f"CEILING: {ceiling_linear:,.0f} tokens/s (linear FLOPs at the best measured rate); "

@@ -1,12 +1,13 @@
-"""Steps of a few rows on CPU: `F.linear` (MKL) vs the engine's oneDNN-packed copies vs the small-rows C kernel
-(csrc/small_matmul.c), the measurement behind the small-step rules in rollout/engine/cpu_features.py
-(UNPACKED_MAX_ROWS_INTEL, SMALL_MATMUL_ROWS).
+"""Steps of a few rows on CPU: `F.linear` (MKL) vs the engine's oneDNN-packed copies vs MKL's packed copies vs the
+small-rows C kernel (csrc/small_matmul.c), the measurement behind the small-step rules in
+rollout/engine/cpu_features.py (UNPACKED_MAX_ROWS_INTEL, UNPACKED_MAX_ROWS_MKL_PACKED, SMALL_MATMUL_ROWS);
+benchmarks/linear_backends.py compares the two packed copies at every row count.
 
 1. One pass over all of W1's linear weights (8 layers and the lm_head, distinct tensors: ~103 MB, more than a last-level
    cache, as in a decode step) at 1-16 rows, with each kernel, alternated, best of `--rounds`.
 2. The engine itself: greedy requests of `--new-tokens` tokens, 1, 4 and 8 at once (that many rows per decode step),
-   with the packed copies at every size, with `F.linear` up to `--limit` rows, and as shipped (the small-rows kernel
-   where it serves, see the CPU line), alternated on the same engine.
+   with oneDNN's packed copies at every size, with `F.linear` up to `--limit` rows, and as shipped (MKL's copies or
+   the small-rows kernel where they serve, see the CPU line), alternated on the same engine.
 
     python benchmarks/small_steps.py
     python benchmarks/small_steps.py --compile-level 1 --limit 4
@@ -51,7 +52,7 @@ def linear_pass_rows(rounds: int) -> list[list]:
             if None in calls:
                 if kind == "onednn_packed":
                     raise SystemExit("this torch cannot pack fp32 linear weights (no oneDNN): nothing to compare")
-                continue  # no C compiler: no kernel column
+                continue  # no C compiler (no kernel column), no MKL packed sgemm
             passes[kind] = lambda calls=calls: [call() for call in calls]
         best = dict.fromkeys(passes, float("inf"))
         for _ in range(rounds):  # the kernels alternate, round by round
@@ -70,8 +71,9 @@ def engine_rows(args) -> list[list]:
     linears = engine.runner.linears
     if linears is None:
         raise SystemExit("this engine does not pack its linears (no oneDNN here?)")
-    shipped = (linears.unpacked_max_rows, linears.small_matmul)
-    settings = {"f_linear": (args.limit, False), "onednn_packed": (0, False), "shipped": shipped}
+    shipped = (linears.mkl, linears.unpacked_max_rows, linears.small_matmul)
+    settings = {"f_linear": (False, args.limit, False), "onednn_packed": (False, 0, False),
+                "shipped": shipped}  # (MKL's copies?, F.linear up to this many rows, the small-rows kernel?)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     out = []
@@ -86,16 +88,18 @@ def engine_rows(args) -> list[list]:
 
         times: dict[str, float] = {}
         for rnd in range(args.rounds + 1):  # a warm-up round, then timed rounds
-            for name, (limit, small) in settings.items():
+            for name, (mkl, limit, small) in settings.items():
+                if linears.mkl != mkl:
+                    linears.use_mkl(mkl)
                 linears.unpacked_max_rows, linears.small_matmul = limit, small
                 start = time.perf_counter()
                 generate()
                 if rnd:
                     times[name] = min(times.get(name, float("inf")), time.perf_counter() - start)
-        linears.unpacked_max_rows, linears.small_matmul = shipped
+        linears.use_mkl(shipped[0])
         ms = {name: seconds / args.new_tokens * 1e3 for name, seconds in times.items()}
         out.append([f"engine step, {streams} row(s), level {args.compile_level} (ms per step)", f"{ms['f_linear']:.2f}",
-                    f"{ms['onednn_packed']:.2f}", f"{ms['shipped']:.2f} (as shipped)"])
+                    f"{ms['onednn_packed']:.2f}", "-", f"{ms['shipped']:.2f} (as shipped)"])
     return out
 
 
@@ -112,7 +116,8 @@ def main() -> None:
 
     log(f"CPU: {cpu_features().describe()}")
     rows = linear_pass_rows(args.rounds) + engine_rows(args)
-    print(format_table(["measure (fp32)", "F.linear ms", "packed ms", "small-rows kernel ms"], rows))
+    print(format_table(["measure (fp32)", "F.linear ms", "oneDNN packed ms", "MKL packed ms",
+                        "small-rows kernel ms"], rows))
 
 
 if __name__ == "__main__":

@@ -172,8 +172,10 @@ def test_q_k_v_run_as_one_stacked_matmul_that_follows_a_replaced_weight(qwen3_mo
     _run(engine, _prompts(seed=13, lengths=[20, 30]))  # steps of more rows than the small-rows kernel takes
     linears = engine.runner.linears
     attention = [layer.self_attn for layer in qwen3_model.model.layers]
-    assert set(linears._stacks) == {(id(a.q_proj.weight), id(a.k_proj.weight), id(a.v_proj.weight))
-                                    for a in attention}
+    q_k_v = {(id(a.q_proj.weight), id(a.k_proj.weight), id(a.v_proj.weight)) for a in attention}
+    mlps = [layer.mlp for layer in qwen3_model.model.layers]  # MKL's copies stack each gate and up projection too
+    gate_up = {(id(m.gate_proj.weight), id(m.up_proj.weight)) for m in mlps} if linears.mkl else set()
+    assert set(linears._stacks) == q_k_v | gate_up
     assert not any(id(a.q_proj.weight) in linears._packs for a in attention)
     layer = attention[0].q_proj
     original = layer.weight

@@ -12,6 +12,7 @@ from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine.cpu_features import (
     ENV_UNPACKED_MAX_ROWS,
     UNPACKED_MAX_ROWS_INTEL,
+    UNPACKED_MAX_ROWS_MKL_PACKED,
     CpuFeatures,
     KernelBuild,
     cpu_features,
@@ -89,7 +90,8 @@ def test_bf16_engine_on_an_avx2_machine_generates_the_unpacked_tokens(avx2_machi
     fp32 = _engine(tiny_model("qwen3"))
     _greedy(fp32, prompts)
     linears = [m for m in fp32.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(fp32.runner.linears._packs) == len(linears)
+    packed = fp32.runner.linears
+    assert len(packed._packs) + sum(len(key) for key in packed._stacks) == len(linears)
 
 
 def test_explicit_prepack_on_an_avx2_machine(avx2_machine):
@@ -122,23 +124,34 @@ def test_describe_names_every_fallback_and_why():
         machine="x86_64", cpu_name="AMD EPYC 7702", isa=frozenset({"sse4_2", "avx2", "fma3"}),
         torch_capability="AVX2", onednn=True, onednn_bf16_device=False, packed_dtypes=frozenset({torch.float32}),
         packing_errors=(("bfloat16", BF16_ERROR),), silu_gate_dtypes=frozenset({torch.float32}),
-        kernel=KernelBuild(True, march="native", isa="avx2", openmp=False))
+        kernel=KernelBuild(True, march="native", isa="avx2", openmp=False), mkl_packed_reason="not an Intel CPU")
     assert features.describe() == (
         "x86_64 AMD EPYC 7702 [sse4_2 avx2 fma3]; torch CPU capability AVX2; oneDNN packed linear: float32 yes, "
-        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fused SiLU gate: float32; fp32 linears of "
-        "small steps: packed; attention kernel: -march=native avx2, single-threaded (no OpenMP)")
+        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fp32 packed copies by MKL: no (not an Intel "
+        "CPU); fused SiLU gate: float32; fp32 linears of small steps: packed; attention kernel: -march=native avx2, "
+        "single-threaded (no OpenMP)")
+    intel = CpuFeatures(
+        machine="x86_64", cpu_name="Intel Xeon", isa=frozenset({"avx512_f"}), torch_capability="AVX512", onednn=True,
+        onednn_bf16_device=True, packed_dtypes=frozenset({torch.float32, torch.bfloat16}),
+        silu_gate_dtypes=frozenset({torch.float32}), unpacked_max_rows=2,
+        kernel=KernelBuild(True, march="native", isa="avx512f", openmp=True), mkl_packed=True, mkl_packed_reason="")
+    assert not intel.small_matmul  # MKL's copies serve the steps of a few rows
+    assert ("fp32 packed copies by MKL: yes; fused SiLU gate: float32; fp32 linears of small steps: F.linear (MKL) "
+            "up to 2 rows, packed otherwise;") in intel.describe()
     bare = CpuFeatures(machine="aarch64", cpu_name="", isa=frozenset(), torch_capability="DEFAULT", onednn=False,
                        onednn_bf16_device=None, packed_dtypes=frozenset(),
                        kernel=KernelBuild(False, reason="no C compiler found"))
     assert bare.describe() == ("aarch64 CPU [none of interest]; torch CPU capability DEFAULT; oneDNN packed linear: "
-                               "unavailable (torch built without oneDNN); fused SiLU gate: no; fp32 linears of small "
-                               "steps: packed; attention kernel: unavailable (no C compiler found)")
+                               "unavailable (torch built without oneDNN); fp32 packed copies by MKL: no (not probed); "
+                               "fused SiLU gate: no; fp32 linears of small steps: packed; attention kernel: "
+                               "unavailable (no C compiler found)")
 
 
 def test_small_steps_skip_the_packed_copies_on_intel_with_mkl_or_as_the_environment_says(monkeypatch):
     monkeypatch.delenv(ENV_UNPACKED_MAX_ROWS, raising=False)
     intel = UNPACKED_MAX_ROWS_INTEL if torch.backends.mkl.is_available() else 0
     assert unpacked_max_rows("Intel Xeon 2.60GHz") == intel
+    assert unpacked_max_rows("Intel Xeon 2.60GHz", mkl_packed=True) == UNPACKED_MAX_ROWS_MKL_PACKED
     assert unpacked_max_rows("AMD EPYC 7702") == 0 and unpacked_max_rows("") == 0
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
     assert unpacked_max_rows("Intel Xeon 2.60GHz") == 0

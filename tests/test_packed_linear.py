@@ -82,8 +82,11 @@ def test_a_write_through_data_and_a_version_bump_is_seen():
 
 
 def _packed_count(engine) -> int | None:
+    """How many weights have a packed copy, alone or stacked with others (MKL's gate and up projections)."""
     linears = engine.runner.linears
-    return len(linears._packs) if isinstance(linears, PackedLinears) else None
+    if not isinstance(linears, PackedLinears):
+        return None
+    return len(linears._packs) + sum(len(key) for key in linears._stacks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -147,7 +150,7 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
 
     torch.manual_seed(rows)
     layer = torch.nn.Linear(48, 80)
-    linears = PackedLinears(layer)
+    linears = PackedLinears(layer, mkl=False)  # oneDNN's copies (MKL's need no padding: tests of their own)
     linears.unpacked_max_rows = 0  # the packed copies at every row count, whatever this CPU's small-step rule
     x = torch.randn(1, rows, 48)
     with torch.inference_mode(), linears:
@@ -237,13 +240,14 @@ def test_small_matmul_sums_do_not_depend_on_the_vector_width():
 
 
 @needs_fp32_packing
-@pytest.mark.skipif(not cpu_features().small_matmul, reason="the small-rows kernel serves AVX-512 builds only")
+@pytest.mark.skipif(not cpu_features().small_matmul_kernel, reason="the small-rows kernel serves AVX-512 builds only")
 def test_steps_of_a_few_fp32_rows_run_the_small_matmul_kernel_in_the_forward_only():
-    """Inside the engine's forward, fp32 linears of SMALL_MATMUL_ROWS rows run the kernel (the packed copies do not
-    serve them); outside it (another thread, a trainer's forward with autograd) the module is F.linear itself."""
+    """Inside the engine's forward, fp32 linears of SMALL_MATMUL_ROWS rows run the kernel where oneDNN packs (the
+    packed copies do not serve them); outside it (another thread, a trainer's forward with autograd) the module is
+    F.linear itself."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80)
-    linears = PackedLinears(layer)
+    linears = PackedLinears(layer, mkl=False)
     assert linears.small_matmul
     low, high = SMALL_MATMUL_ROWS
     x = torch.randn(1, high + 1, 48)
@@ -267,7 +271,7 @@ def _buffer_bytes(packed: torch.Tensor) -> torch.Tensor:
 
 def _fresh(layer: torch.nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a fresh PackedLinears gives for `x` with the layer's current weights, and its packed buffer's bytes."""
-    fresh = PackedLinears(layer, dtypes=frozenset({layer.weight.dtype}))
+    fresh = PackedLinears(layer, dtypes=frozenset({layer.weight.dtype}), mkl=False)
     with torch.inference_mode(), fresh:
         out = layer(x)
     return out, _buffer_bytes(fresh._packs[id(layer.weight)].packed)
@@ -289,7 +293,7 @@ def test_a_weight_update_refreshes_the_packed_copy_in_place_as_a_fresh_pack_woul
     out_features, in_features = shape
     torch.manual_seed(out_features * 1000 + in_features)
     layer = torch.nn.Linear(in_features, out_features).to(dtype)
-    linears = PackedLinears(layer, dtypes=frozenset({dtype}))
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
     x = torch.randn(2, 9, in_features).to(dtype)
     first, packed = _packed_forward(linears, layer, x)
     in_place = packed_layout.layout_for(shape, dtype, PACK_BATCH_HINT) is not None
@@ -332,7 +336,7 @@ def test_a_strided_weight_is_refreshed_in_place_as_a_fresh_pack_would(shape, str
     layer = torch.nn.Linear(in_features, out_features).to(dtype)
     layer.weight = torch.nn.Parameter(weight(), requires_grad=False)
     assert not layer.weight.is_contiguous()
-    linears = PackedLinears(layer, dtypes=frozenset({dtype}))
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
     x = torch.randn(7, in_features).to(dtype)
     _, packed = _packed_forward(linears, layer, x)
     layer.weight.data.copy_(weight())
@@ -352,7 +356,7 @@ def test_a_layout_that_fails_its_check_falls_back_to_a_full_repack(monkeypatch, 
     monkeypatch.setattr(packed_layout, "_verify", lambda *args, **kwargs: "forced mismatch")
     try:
         layer = torch.nn.Linear(31, 100).to(dtype)
-        linears = PackedLinears(layer, dtypes=frozenset({dtype}))
+        linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
         x = torch.randn(5, 31).to(dtype)
         _, packed = _packed_forward(linears, layer, x)
         with torch.no_grad():

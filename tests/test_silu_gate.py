@@ -10,13 +10,17 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-from rollout.engine import silu_gate
+from rollout.engine import mkl_packed, silu_gate
 from rollout.engine.cpu_features import cpu_features, probe_silu_gate
 from rollout.engine.packed_linear import PackedLinears, packing_available
 from rollout.engine.packed_linear_op import active_linears, use_packed_linears, use_silu_gates
 
 fuses_fp32 = pytest.mark.skipif(torch.float32 not in cpu_features().silu_gate_dtypes,
                                 reason="this CPU's oneDNN does not fuse the fp32 SiLU gate (the linears run apart)")
+# who packs the fp32 copies: oneDNN (its fused pair of matmuls) or MKL (one matmul over gate and up stacked)
+PACKERS = [pytest.param(False, id="onednn", marks=fuses_fp32),
+           pytest.param(True, id="mkl", marks=pytest.mark.skipif(
+               not mkl_packed.available(), reason=f"MKL's packed sgemm: {mkl_packed.unavailable_reason()}"))]
 
 
 def _qwen3_mlp(hidden: int = 48, intermediate: int = 80) -> torch.nn.Module:
@@ -83,15 +87,15 @@ def test_the_probe_passes_for_fp32_where_it_is_fused():
     assert "fused SiLU gate" in cpu_features().describe()
 
 
-@fuses_fp32
+@pytest.mark.parametrize("mkl", PACKERS)
 @pytest.mark.parametrize("rows", [1, 5, 17, 300, 2100])
 @pytest.mark.parametrize("make", [_qwen3_mlp, _llama_mlp_with_bias])
-def test_the_eager_override_equals_the_modules_forward(make, rows, monkeypatch):
+def test_the_eager_override_equals_the_modules_forward(make, rows, mkl, monkeypatch):
     """Any row count (padded buckets, chunks over PACKED_MAX_ROWS), with and without biases; it really fuses."""
     mlp = make()
     x = torch.randn(1, rows, mlp.gate_proj.in_features)
     expected = mlp(x)
-    linears = PackedLinears(mlp)
+    linears = PackedLinears(mlp, mkl=mkl)
     linears.unpacked_max_rows = 0  # the fused path at every row count, whatever this CPU's small-step rule
     calls = []
     run = linears.run_silu_gate
@@ -102,6 +106,8 @@ def test_the_eager_override_equals_the_modules_forward(make, rows, monkeypatch):
     assert calls, "the fused gate did not run"
     assert "forward" not in mlp.__dict__, "the module must be left exactly as it was"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    weights = (id(mlp.gate_proj.weight), id(mlp.up_proj.weight))
+    assert (weights in linears._stacks) == mkl, "MKL's copy stacks gate and up; oneDNN keeps one copy of each"
 
 
 @fuses_fp32
@@ -138,8 +144,9 @@ def _targets(gm):
     return [node.target for node in gm.graph.nodes if node.op == "call_function"]
 
 
+@pytest.mark.parametrize("mkl", [False, True])
 @pytest.mark.parametrize("make", [_qwen3_mlp, _llama_mlp_with_bias])
-def test_the_graph_rewrite_fuses_the_gate_and_keeps_the_result(make):
+def test_the_graph_rewrite_fuses_the_gate_and_keeps_the_result(make, mkl):
     mlp = make()
     x = torch.randn(7, mlp.gate_proj.in_features)
     gm = _traced(mlp, x)
@@ -147,7 +154,7 @@ def test_the_graph_rewrite_fuses_the_gate_and_keeps_the_result(make):
     assert use_packed_linears(gm) == 1  # down_proj
     targets = _targets(gm)
     assert torch.ops.rollout.packed_silu_gate.default in targets and F.silu not in targets
-    linears = PackedLinears(mlp) if packing_available(torch.float32) else None
+    linears = PackedLinears(mlp, mkl=mkl and mkl_packed.available()) if packing_available(torch.float32) else None
     params = {name: p for name, p in mlp.named_parameters()}
     placeholders = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
     args = [x if name.startswith("l_x") else params[_param_name(name)] for name in placeholders]

@@ -93,7 +93,7 @@ class InductorBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         start = time.perf_counter()
-        gates = use_silu_gates(gm, cpu_features().silu_gate_dtypes)
+        gates = use_silu_gates(gm, cpu_features().gate_dtypes)
         stacks = use_stacked_linears(gm)
         linears = use_packed_linears(gm)
         if self.backend == "inductor":

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout.engine import cpu_kernel, packed_layout
-from rollout.engine.cpu_features import SMALL_MATMUL_ROWS, cpu_features
+from rollout.engine.cpu_features import SMALL_MATMUL_ROWS, cpu_features, unpacked_max_rows
+from rollout.engine.mkl_packed import MklPackedWeight
 from rollout.engine.silu_gate import is_silu_gated_mlp
 
 PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
@@ -136,7 +137,7 @@ class _Pack:
     dtype: torch.dtype
     versions: tuple[int, ...]  # the weights' version counters when packed
     epoch: int  # PackedLinears._epoch when packed (clear() bumps it: writes through .data bump no version)
-    packed: torch.Tensor
+    packed: torch.Tensor | MklPackedWeight  # oneDNN's blocked copy, or MKL's (fp32 where cpu_features says so)
     # once refreshed in place: the verified layout of `packed` and its memory as a flat tensor (an alias of it)
     layout: packed_layout.BlockedLayout | None = None
     buffer: torch.Tensor | None = None
@@ -153,7 +154,13 @@ class _Pack:
 
     def refresh_in_place(self, weights: tuple[torch.Tensor, ...]) -> bool:
         """Write the new values of `weights` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
-        them out; False, with nothing written, where no verified layout fits (the caller then repacks in full)."""
+        them out (MKL's copies: repacked into their own buffer); False, with nothing written, where no verified layout
+        fits (the caller then repacks in full)."""
+        if isinstance(self.packed, MklPackedWeight):
+            with torch.no_grad():
+                self.packed.repack(_stacked(weights))
+            self.versions = tuple(w._version for w in weights)
+            return True
         if self.buffer is None:
             shape = (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
             layout = packed_layout.layout_for(shape, self.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
@@ -171,15 +178,11 @@ class PackedLinears:
     """Context manager around the engine's forward: plain fp32/bf16 CPU `nn.Linear`s of `model` run on packed
     weights."""
 
-    def __init__(self, model: torch.nn.Module, dtypes: frozenset[torch.dtype] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, dtypes: frozenset[torch.dtype] | None = None,
+                 mkl: bool | None = None) -> None:
         self.model = model
         # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu_features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
-        # fp32 inputs of at most this many rows skip the packed copies: F.linear (cpu_features.UNPACKED_MAX_ROWS_INTEL:
-        # MKL's sgemv) or, from SMALL_MATMUL_ROWS[0] rows on, the small-rows kernel where it is built
-        self.small_matmul = cpu_features().small_matmul and torch.float32 in self.dtypes
-        self.unpacked_max_rows = max(cpu_features().unpacked_max_rows,
-                                     SMALL_MATMUL_ROWS[1] if self.small_matmul else 0)
         self._packs: dict[int, _Pack] = {}  # by id(weight)
         # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own
         self._stacks: dict[tuple[int, ...], _Pack] = {}
@@ -191,6 +194,12 @@ class PackedLinears:
         # version per target), so a forward checks versions instead of re-deriving each copy
         self._table: dict[int, torch.Tensor] = {}
         self._checked: tuple[int, list] | None = None
+        # Set by use_mkl: `mkl`, fp32 weights packed by MKL rather than oneDNN (mkl_packed.py; None: where
+        # cpu_features says so); `gate_dtypes`, whose gated MLPs run gate and up as one op (oneDNN's fused pair,
+        # MKL's stacked copy); `unpacked_max_rows`, fp32 inputs of at most this many rows skip the packed copies:
+        # F.linear (MKL's sgemv, cpu_features.unpacked_max_rows) or, from SMALL_MATMUL_ROWS[0] rows on,
+        # `small_matmul`, the small-rows kernel where it is built (not with MKL's copies: those are faster there).
+        self.use_mkl(cpu_features().mkl_packed if mkl is None else mkl)
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         return self._pack_of((weight,), self._packs, id(weight))
@@ -205,11 +214,33 @@ class PackedLinears:
             if entry.refresh_in_place(weights):
                 entry.epoch = self._epoch
                 return entry.packed
-        packed = torch.ops.mkldnn._reorder_linear_weight(_stacked(weights), PACK_BATCH_HINT)
+        packed = self._new_pack(_stacked(weights))
         refs = tuple(weakref.ref(w, lambda _: store.pop(key, None)) for w in weights)  # a freed weight frees it
         store[key] = _Pack(refs, tuple(w.data_ptr() for w in weights), tuple(tuple(w.shape) for w in weights),
                            weights[0].dtype, tuple(w._version for w in weights), self._epoch, packed)
         return packed
+
+    def use_mkl(self, enabled: bool) -> None:
+        """Pack fp32 weights with MKL (where it works) or oneDNN from the next forward on, with the small-step rules
+        of that choice; the current copies are dropped (benchmarks compare the two on one engine)."""
+        from rollout.engine import mkl_packed
+
+        if enabled and not mkl_packed.available():
+            raise ValueError(f"MKL's packed sgemm is unavailable here: {mkl_packed.unavailable_reason()}")
+        features = cpu_features()
+        self.mkl = enabled and torch.float32 in self.dtypes
+        self.gate_dtypes = features.silu_gate_dtypes | ({torch.float32} if self.mkl else set())
+        self.small_matmul = features.small_matmul_kernel and torch.float32 in self.dtypes and not self.mkl
+        self.unpacked_max_rows = max(unpacked_max_rows(features.cpu_name, self.mkl),
+                                     SMALL_MATMUL_ROWS[1] if self.small_matmul else 0)
+        self._packs.clear()
+        self._stacks.clear()
+        self._overrides = self._checked = None
+
+    def _new_pack(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
+        if self.mkl and values.dtype == torch.float32:
+            return MklPackedWeight(values)
+        return torch.ops.mkldnn._reorder_linear_weight(values, PACK_BATCH_HINT)
 
     def clear(self) -> None:
         """New weights are in place (writes through `.data` bump no version counter): mark every packed copy stale
@@ -270,19 +301,29 @@ class PackedLinears:
             out = torch.cat([self._padded(chunk, compute) for chunk in flat.split(PACKED_MAX_ROWS)])
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def run(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, packed: torch.Tensor | MklPackedWeight,
+            bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T + bias` on the packed copy of W (from `packed_for`)."""
+        if isinstance(packed, MklPackedWeight):
+            return packed.linear(x, bias)  # any row count: no padding, no chunks
         return self._row_wise(x, lambda rows: _LINEAR_POINTWISE(rows, packed, bias, "none", [], ""))
 
-    def run_silu_gate(self, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, up: torch.Tensor,
-                      up_bias: torch.Tensor | None) -> torch.Tensor:
-        """`silu(x @ Wg.T + bg) * (x @ Wu.T + bu)` on packed copies (from `silu_gate_for`): the SiLU is a post-op of
-        the gate's matmul and the product a post-op of the up projection's, so the gated MLP's two `[rows,
-        intermediate]` activations are never read back by separate passes (W1's MLP at 2,048 rows: 30 ms instead of
-        40 ms per layer)."""
+    def run_silu_gate(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor] | MklPackedWeight,
+                      gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:
+        """`silu(x @ Wg.T + bg) * (x @ Wu.T + bu)` on the packed copies from `silu_gate_for`. oneDNN's pair: the SiLU
+        is a post-op of the gate's matmul and the product a post-op of the up projection's, so the gated MLP's two
+        `[rows, intermediate]` activations are never read back by separate passes (W1's MLP at 2,048 rows: 30 ms
+        instead of 40 ms per layer). MKL's copy of the two weights stacked: one matmul, then the SiLU and product."""
+        if isinstance(packed, MklPackedWeight):
+            bias = None if gate_bias is None and up_bias is None else torch.cat(
+                [b if b is not None else x.new_zeros(packed.out_features // 2) for b in (gate_bias, up_bias)])
+            gate, up = packed.linear(x, bias).chunk(2, dim=-1)
+            return F.silu(gate).mul_(up)
+        gate_packed, up_packed = packed
+
         def compute(rows: torch.Tensor) -> torch.Tensor:
-            gated = _LINEAR_POINTWISE(rows, gate, gate_bias, "swish", [], "")
-            return _LINEAR_BINARY(rows, gated, up, up_bias, "mul")
+            gated = _LINEAR_POINTWISE(rows, gate_packed, gate_bias, "swish", [], "")
+            return _LINEAR_BINARY(rows, gated, up_packed, up_bias, "mul")
         return self._row_wise(x, compute)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -347,12 +388,17 @@ class PackedLinears:
         return packed
 
     def silu_gate_for(self, x: torch.Tensor, gate_weight: torch.Tensor,
-                      up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The packed copies that serve `run_silu_gate(x, ...)`, or None where the two linears must run apart: either
-        is not packed here (see `packed_for`), or this CPU's oneDNN failed the fused probe for the dtype
-        (cpu_features; fp32 only: bf16 keeps eager's rounding of the gate before the SiLU)."""
-        if x.dtype not in cpu_features().silu_gate_dtypes:
+                      up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | MklPackedWeight | None:
+        """The packed copies that serve `run_silu_gate(x, ...)`: MKL's copy of both weights stacked (`stacked_for`),
+        or oneDNN's two; None where the two linears must run apart: either is not packed here (see `packed_for`), or
+        this CPU's oneDNN failed the fused probe for the dtype (cpu_features; fp32 only: bf16 keeps eager's rounding
+        of the gate before the SiLU)."""
+        if x.dtype not in self.gate_dtypes:
             return None
+        if self.mkl and x.dtype == torch.float32:
+            if gate_weight.shape != up_weight.shape:
+                return None
+            return self.stacked_for(x, (gate_weight, up_weight))
         gate, up = self.packed_for(x, gate_weight), self.packed_for(x, up_weight)
         return None if gate is None or up is None else (gate, up)
 
@@ -411,7 +457,7 @@ class PackedLinears:
             packed = None if args or kwargs else this.silu_gate_for(x, gate.weight, up.weight)
             if packed is None:
                 return own(module, x, *args, **kwargs)
-            return module.down_proj(this.run_silu_gate(x, packed[0], gate.bias, packed[1], up.bias))
+            return module.down_proj(this.run_silu_gate(x, packed, gate.bias, up.bias))
         return forward
 
     def _targets(self) -> list[tuple[torch.nn.Module, object]]:
@@ -421,7 +467,7 @@ class PackedLinears:
             modules = list(self.model.modules())
             self._overrides = [(m, self._override(m)) for m in modules
                                if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward]
-            if cpu_features().silu_gate_dtypes & self.dtypes:
+            if self.gate_dtypes & self.dtypes:
                 self._overrides += [(m, self._silu_gate_override(m)) for m in modules if is_silu_gated_mlp(m)]
         return self._overrides
 

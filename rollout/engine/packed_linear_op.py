@@ -75,7 +75,7 @@ def packed_silu_gate(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torc
     packed = linears.silu_gate_for(x, gate_weight, up_weight) if linears is not None else None
     if packed is None:
         return F.silu(packed_linear(x, gate_weight, gate_bias)) * packed_linear(x, up_weight, up_bias)
-    return linears.run_silu_gate(x, packed[0], gate_bias, packed[1], up_bias)
+    return linears.run_silu_gate(x, packed, gate_bias, up_bias)
 
 
 def _fake(x, weight, bias):
