@@ -5,7 +5,8 @@ Why: the engine's CPU fast paths depend on the instruction set. oneDNN packs bf1
 raises for bf16 while fp32 packs fine. So each dtype is probed by actually packing a small weight and comparing the
 packed matmul with `F.linear`: the probe, not the CPU flags, decides, and a dtype that fails keeps `F.linear` (same
 tokens, just unpacked). torch's own bf16 device check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is recorded as
-an extra signal only.
+an extra signal only. MKL's packed sgemm (mkl_packed.py), which packs the fp32 copies on Intel CPUs, is probed the
+same way: a packed weight's products compared with `F.linear`.
 
 ISA flags come from torch's CPUID reader (`torch.cpu.get_capabilities`), which sees the CPU the code actually runs on,
 also under an emulator (qemu-user shows the host's /proc/cpuinfo); /proc/cpuinfo is only the fallback for torch

@@ -1,12 +1,15 @@
-"""oneDNN-prepacked copies of the model's fp32/bf16 linear weights, used for the engine's forward on CPU.
+"""Prepacked copies of the model's fp32/bf16 linear weights (oneDNN's, or for fp32 on Intel CPUs MKL's), used for the
+engine's forward on CPU.
 
 Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
 into its blocked layout is faster at the batch sizes that carry the work (about 1.3x at 256 rows and 2x at 16 rows on
-a 2-core AVX-512 EPYC, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts). Below
-that, the weights' streaming from memory decides: fp32 steps of 3-8 rows run the C kernel csrc/small_matmul.c on
-AVX-512 builds, and on Intel CPUs MKL's sgemv serves steps of 1-2 rows (cpu_features.SMALL_MATMUL_ROWS,
-UNPACKED_MAX_ROWS_INTEL). Packed copies of weights stacked along their output rows (`stacked_for`) serve the compiled
-forward's linears of one input as one matmul.
+a 2-core AVX-512 EPYC, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts). On Intel
+CPUs MKL's own packed sgemm (mkl_packed.py) is faster still at every row count from 3 up, so it packs the fp32 copies
+there. Below that, the weights' streaming from memory decides: on Intel CPUs MKL's sgemv serves steps of 1-2 rows,
+and where oneDNN packs fp32 on AVX-512 builds, steps of 3-8 rows run the C kernel csrc/small_matmul.c
+(cpu_features.UNPACKED_MAX_ROWS_*, SMALL_MATMUL_ROWS). Packed copies of weights stacked along their output rows
+(`stacked_for`) serve the compiled forward's linears of one input as one matmul, and with MKL's copies a gated MLP's
+gate and up projections.
 bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
 a long run); packed and bucketed (below) it is a little faster and bounded.
 
@@ -20,7 +23,8 @@ on a shared module (in-place writes bump the counter) refreshes it on the next f
 not bump it, so every weight update through the engine (`set_weight_version`, which `update_weights` calls) marks
 all copies stale. A stale copy is refreshed in place, in its existing buffer, by strided copies along the layout
 packed_layout.py derived and verified for its shape and dtype (for W1 in fp32: 7.3 ms instead of 49 ms for a full
-repack, see benchmarks/RESULTS.md); where no layout could be verified it is repacked in full. A freed weight frees
+repack, see benchmarks/RESULTS.md); where no layout could be verified it is repacked in full. MKL's copies are repacked
+in their own buffers (W1's in 19-22 ms on a 2-core Ice Lake Xeon, where oneDNN's in-place refresh took 29-41 ms). A freed weight frees
 its copy, and a weight update drops the copies of weights no longer in the model. The cost is one extra copy of the
 linear weights in RAM.
 
