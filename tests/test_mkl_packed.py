@@ -113,6 +113,18 @@ def test_this_machine_uses_it_where_the_rule_says(fresh_detection):
         assert f"fp32 packed copies by MKL: no ({expected})" in features.describe()
 
 
+def _assert_greedy(engine, model, prompts):
+    ids = [engine.add_request(p)[0] for p in prompts]
+    done = run_engine(engine)
+    for prompt, request_id in zip(prompts, ids):
+        ref, safe = greedy_reference(model, prompt, 10)
+        assert done[request_id].generated_tokens[:safe] == ref[:safe]
+
+
+def _copies(linears: PackedLinears) -> list:
+    return [entry.packed for entry in (*linears._packs.values(), *linears._stacks.values())]
+
+
 @needs_mkl
 @pytest.mark.skipif(not packing_available(torch.float32), reason="torch built without oneDNN")
 def test_the_engines_forward_runs_mkls_copies_with_the_models_tokens():
@@ -123,12 +135,8 @@ def test_the_engines_forward_runs_mkls_copies_with_the_models_tokens():
                        ContinuousBatchingConfig(page_size=8, allow_block_sharing=False))
     engine.runner.linears = linears = PackedLinears(model, mkl=True)
     prompts = random_prompts([15, 4, 23], seed=5)
-    ids = [engine.add_request(p)[0] for p in prompts]
-    done = run_engine(engine)
-    for prompt, request_id in zip(prompts, ids):
-        ref, safe = greedy_reference(model, prompt, 10)
-        assert done[request_id].generated_tokens[:safe] == ref[:safe]
-    packs = [entry.packed for entry in (*linears._packs.values(), *linears._stacks.values())]
+    _assert_greedy(engine, model, prompts)
+    packs = _copies(linears)
     assert packs and all(isinstance(p, MklPackedWeight) for p in packs)
     mlp = model.model.layers[0].mlp
     assert (id(mlp.gate_proj.weight), id(mlp.up_proj.weight)) in linears._stacks
@@ -144,10 +152,6 @@ def test_the_engines_forward_runs_mkls_copies_with_the_models_tokens():
         for p, q in zip(model.parameters(), other.parameters()):
             p.data.copy_(q)  # bumps no version counter: the engine's weight update marks the copies stale
     engine.set_weight_version(1)
-    ids = [engine.add_request(p)[0] for p in prompts]
-    done = run_engine(engine)
-    for prompt, request_id in zip(prompts, ids):
-        ref, safe = greedy_reference(other, prompt, 10)
-        assert done[request_id].generated_tokens[:safe] == ref[:safe]
-    after = [entry.packed for entry in (*linears._packs.values(), *linears._stacks.values())]
+    _assert_greedy(engine, other, prompts)
+    after = _copies(linears)
     assert len(after) == len(packs) and all(a is b for a, b in zip(after, packs)), "repacked in their own buffers"

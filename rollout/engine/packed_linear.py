@@ -23,10 +23,10 @@ on a shared module (in-place writes bump the counter) refreshes it on the next f
 not bump it, so every weight update through the engine (`set_weight_version`, which `update_weights` calls) marks
 all copies stale. A stale copy is refreshed in place, in its existing buffer, by strided copies along the layout
 packed_layout.py derived and verified for its shape and dtype (for W1 in fp32: 7.3 ms instead of 49 ms for a full
-repack, see benchmarks/RESULTS.md); where no layout could be verified it is repacked in full. MKL's copies are repacked
-in their own buffers (W1's in 19-22 ms on a 2-core Ice Lake Xeon, where oneDNN's in-place refresh took 29-41 ms). A freed weight frees
-its copy, and a weight update drops the copies of weights no longer in the model. The cost is one extra copy of the
-linear weights in RAM.
+repack, see benchmarks/RESULTS.md); where no layout could be verified it is repacked in full. MKL's copies are
+repacked in their own buffers (W1's in 19-22 ms on a 2-core Ice Lake Xeon, where oneDNN's in-place refresh took 29-41
+ms). A freed weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost
+is one extra copy of the linear weights in RAM.
 
 Which dtypes: decided once per process by cpu_features.py, which packs a small weight of each dtype and checks the
 result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
