@@ -12,7 +12,7 @@ one per call): a new engine over the same model class reuses the graphs, with it
 
 What is traced: the unmodified transformers model, called with tensors only. The step's attention metadata arrives
 as a StepTensors (attention.py) and every layer makes one call of the opaque op `rollout::paged_attention`; the
-backend rewrites every `F.linear` into `rollout::packed_linear` (packed_linear_op.py), so the oneDNN-packed matmuls
+backend rewrites every `F.linear` into `rollout::packed_linear` (packed_linear_op.py), so the prepacked matmuls
 survive and inductor fuses the RMSNorm, RoPE, SiLU*mul and residual adds between them. For Qwen3 and Llama that is
 one graph per shape bucket with no graph break, and no guard on a per-step Python object. Weights stay graph inputs
 (no `freezing`): a weight update in place needs no recompilation.
