@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rollout.engine import mkl_packed
+
 logger = logging.getLogger(__name__)
 
 # The flags that matter to our fast paths (names as torch.cpu.get_capabilities spells them).
@@ -108,9 +110,13 @@ class CpuFeatures:
 
     @property
     def gate_dtypes(self) -> frozenset[torch.dtype]:
+        """The dtypes whose SiLU-gated MLPs run gate and up as one op here (see gate_dtypes_for)."""
+        return self.gate_dtypes_for(self.mkl_packed)
+
+    def gate_dtypes_for(self, mkl: bool) -> frozenset[torch.dtype]:
         """The dtypes whose SiLU-gated MLPs run gate and up as one op: oneDNN's fused pair, or with MKL's copies
-        (fp32) one matmul over the two weights stacked (packed_linear.run_silu_gate)."""
-        return self.silu_gate_dtypes | (frozenset({torch.float32}) if self.mkl_packed else frozenset())
+        (`mkl`: fp32) one matmul over the two weights stacked (packed_linear.run_silu_gate)."""
+        return self.silu_gate_dtypes | (frozenset({torch.float32}) if mkl else frozenset())
 
     def packs(self, dtype: torch.dtype) -> bool:
         """Whether linear weights of `dtype` can be oneDNN-packed here."""
@@ -128,8 +134,8 @@ class CpuFeatures:
             packing = "unavailable (torch built without oneDNN)"
         fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.gate_dtypes) or "no"
         low, high = SMALL_MATMUL_ROWS
-        mkl = min(self.unpacked_max_rows, low - 1) if self.small_matmul else self.unpacked_max_rows
-        parts = [f"F.linear (MKL) up to {mkl} rows"] if mkl else []
+        f_linear_rows = min(self.unpacked_max_rows, low - 1) if self.small_matmul else self.unpacked_max_rows
+        parts = [f"F.linear (MKL) up to {f_linear_rows} rows"] if f_linear_rows else []
         if self.small_matmul:
             parts.append(f"the small-rows kernel at {low}-{high} rows")
         small = ", ".join([*parts, "packed otherwise"]) if parts else "packed"
@@ -247,8 +253,6 @@ def mkl_packed_reason(cpu_name: str, packed_dtypes: frozenset[torch.dtype]) -> s
     """Why MKL's packed sgemm does not pack the fp32 linears here ("" where it does): where fp32 weights are packed at
     all, on Intel CPUs (measured faster than oneDNN there; on AMD, MKL runs generic code paths) unless
     ROLLOUT_MKL_PACKED=1 asks for it on any CPU (0: never)."""
-    from rollout.engine import mkl_packed
-
     if torch.float32 not in packed_dtypes:
         return "fp32 linears are not packed here"
     if not _intel(cpu_name) and not mkl_packed.forced():

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollout.engine import cpu_kernel, packed_layout
+from rollout.engine import cpu_kernel, mkl_packed, packed_layout
 from rollout.engine.cpu_features import SMALL_MATMUL_ROWS, cpu_features, unpacked_max_rows
 from rollout.engine.mkl_packed import MklPackedWeight
 from rollout.engine.silu_gate import is_silu_gated_mlp
@@ -227,13 +227,11 @@ class PackedLinears:
     def use_mkl(self, enabled: bool) -> None:
         """Pack fp32 weights with MKL (where it works) or oneDNN from the next forward on, with the small-step rules
         of that choice; the current copies are dropped (benchmarks compare the two on one engine)."""
-        from rollout.engine import mkl_packed
-
         if enabled and not mkl_packed.available():
             raise ValueError(f"MKL's packed sgemm is unavailable here: {mkl_packed.unavailable_reason()}")
         features = cpu_features()
         self.mkl = enabled and torch.float32 in self.dtypes
-        self.gate_dtypes = features.silu_gate_dtypes | ({torch.float32} if self.mkl else set())
+        self.gate_dtypes = features.gate_dtypes_for(self.mkl)
         self.small_matmul = features.small_matmul_kernel and torch.float32 in self.dtypes and not self.mkl
         self.unpacked_max_rows = max(unpacked_max_rows(features.cpu_name, self.mkl),
                                      SMALL_MATMUL_ROWS[1] if self.small_matmul else 0)
