@@ -1,10 +1,10 @@
 """cpu_threads: the intra-op threads of an engine step, fixed or adapted to what other processes leave free."""
 
 import gc
+import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from rollout import ContinuousBatchingConfig, generate_batch
 from rollout.engine import core_budget
 from rollout.engine.core_budget import CoreBudget
 from tests.helpers.models import random_prompts, tiny_model
+from tests.helpers.waiting import HANG_GUARD_S, wait_for
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False)
 
@@ -72,22 +73,38 @@ def test_auto_steps_with_the_last_window_only(monkeypatch):
 
 def test_a_neighbour_gone_quiet_before_the_next_step_leaves_every_core(monkeypatch):
     """Other processes kept both cores busy, then went idle, while the engine took no step: the first step after
-    uses the recent, idle window, not an average over the whole pause (which would say one core is still taken)."""
-    start = time.monotonic()
-    quiet_at = start + 0.6
-
-    def busy_ticks(_cpus):
-        busy_for = min(time.monotonic(), quiet_at) - start
-        return int(busy_for * core_budget._TICKS * 2.0)
-
-    monkeypatch.setattr(core_budget, "_allowed_cpus", lambda: {0, 1})
-    monkeypatch.setattr(core_budget, "_busy_ticks", busy_ticks)
-    monkeypatch.setattr(core_budget, "_own_ticks", lambda: 0)
-    budget = CoreBudget("auto", interval=0.1)
-    time.sleep(0.3)
+    uses the recent, idle window the sampling thread read, not an average over the whole pause (which would say one
+    core is still taken). The readings come at 0.25 s intervals of a driven clock."""
+    clock = _fake_proc(monkeypatch, cpus=2, other_cores_busy=0.0)
+    quiet_at = 0.6
+    monkeypatch.setattr(core_budget, "_busy_ticks", lambda _cpus: int(min(clock["t"], quiet_at) * core_budget._TICKS
+                                                                         * 2.0))
+    budget = CoreBudget("auto", interval=NEVER)
+    for reading in (0.25, 0.5):
+        clock["t"] = reading
+        budget.sample()
     assert budget.threads(2) == 1  # the neighbour is still busy
-    time.sleep(0.9)
+    for reading in (0.75, 1.0, 1.25):  # no step in between: only the sampling thread reads
+        clock["t"] = reading
+        budget.sample()
     assert budget.threads(2) == 2
+
+
+def test_the_sampling_thread_reads_proc_every_interval(monkeypatch):
+    """The readings come from the budget's own thread, whether or not anything steps."""
+    readings = threading.Semaphore(0)
+    busy_ticks = core_budget._busy_ticks
+
+    def counted(cpus):
+        if threading.current_thread().name == "rollout-core-budget":
+            readings.release()
+        return busy_ticks(cpus)
+
+    monkeypatch.setattr(core_budget, "_busy_ticks", counted)
+    budget = CoreBudget("auto", interval=0.01)
+    for i in range(3):
+        assert readings.acquire(timeout=HANG_GUARD_S), f"reading {i + 1} never came"
+    del budget
 
 
 def _sampler_threads() -> set[threading.Thread]:
@@ -105,13 +122,27 @@ def test_the_sampling_thread_ends_with_its_budget():
     assert not thread.is_alive()
 
 
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 def test_auto_sees_real_competing_processes():
-    """Two busy processes on this machine's cores: auto leaves the engine one thread (whatever else runs here)."""
-    spin = "import time\nend = time.time() + 20\nwhile time.time() < end: pass\n"
-    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(max(2, len(core_budget._allowed_cpus())))]
+    """Busy processes on this machine's cores: auto leaves the engine one thread (whatever else runs here). The
+    window is read once the spinners have used half a second of CPU each, however long that takes."""
+    spin = "import sys\nprint('spinning', flush=True)\nwhile True: pass\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+            for _ in range(max(2, len(core_budget._allowed_cpus())))]
     try:
-        budget = CoreBudget("auto")
-        time.sleep(1.0)
+        for hog in hogs:
+            assert hog.stdout.readline().strip() == "spinning"
+        budget = CoreBudget("auto", interval=NEVER)
+        start = {hog.pid: _cpu_ticks(hog.pid) for hog in hogs}
+        wait_for(lambda: all(_cpu_ticks(hog.pid) - start[hog.pid] >= core_budget._TICKS // 2 for hog in hogs),
+                 "each spinner used half a second of CPU", poll_s=0.05)
+        budget.sample()
         assert budget.threads(2) == 1
         assert budget.free_cores < 1.0
     finally:

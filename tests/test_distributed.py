@@ -7,7 +7,6 @@ away add a replacement before they end.
 
 import logging
 import threading
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams, 
 from rollout.distributed import RolloutPool  # noqa: E402
 from tests.helpers.models import perturbed, random_prompts, tiny_model  # noqa: E402
 from tests.helpers.tokenizers import tiny_tokenizer  # noqa: E402
+from tests.helpers.waiting import HANG_GUARD_S, FakeClock, wait_for  # noqa: E402
 from trainer_hooks import WeightSync, rollout_metrics  # noqa: E402
 
 CB = ContinuousBatchingConfig(page_size=8, num_blocks=256)
@@ -197,13 +197,8 @@ def _generate_in_thread(pool, prompts, n, params):
     return thread, out
 
 
-def _wait_until_owing(pool, worker_id, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(w.id == worker_id and w.owed for w in pool._workers):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"worker {worker_id} never got work")
+def _wait_until_owing(pool, worker_id):
+    wait_for(lambda: any(w.id == worker_id and w.owed for w in pool._workers), f"worker {worker_id} got work")
 
 
 def test_a_killed_workers_groups_run_again_on_the_others(pool, model, caplog):
@@ -228,20 +223,38 @@ def test_a_killed_workers_groups_run_again_on_the_others(pool, model, caplog):
     assert {w["worker"] for w in again.stats["workers"]} == {survivor, new}
 
 
+def _checked_at(pool, worker, clock) -> None:
+    """Wait until the pool has sent `worker` a heartbeat at the clock's present time and read the reply: its hang
+    check at that time has run."""
+    wait_for(lambda: (worker.beat_sent == clock.now and worker.beat is None) or worker not in pool._workers,
+             f"the pool checked worker {worker.id} at clock {clock.now}")
+
+
 def test_a_hung_worker_is_detected_killed_and_its_groups_run_elsewhere(pool, model):
+    """A worker that answers but makes no engine step is kept while it is within hang_timeout and lost once it is
+    past it; its groups then run on the other worker. Hang detection runs on the pool's clock, driven here."""
     prompts = random_prompts([10, 7, 16, 12], seed=8)
     expected = _reference(model, prompts, 3, GREEDY)
     hung, healthy = pool.worker_ids
     ray.get(pool.actors[0].pause.remote())  # alive and answering, but its engine makes no step
-    pool.hang_timeout = 2.0
+    real_clock, clock = pool.clock, FakeClock()
+    pool.hang_timeout, pool.clock = 2.0, clock
     try:
-        start = time.monotonic()
-        batch = pool.generate(prompts, n=3, sampling_params=GREEDY)
-        waited = time.monotonic() - start
+        thread, out = _generate_in_thread(pool, prompts, 3, GREEDY)
+        wait_for(lambda: [w.id for w in pool._workers if w.owed] == [hung],
+                 "the healthy worker done, the hung one still owing")
+        worker = next(w for w in pool._workers if w.id == hung)
+        clock.advance(1.9)
+        _checked_at(pool, worker, clock)
+        assert pool.worker_ids == [hung, healthy]  # within the limit: a slow worker is not a hung one
+        for _ in range(8):  # past it (however late the pool saw its last step), the worker is lost
+            clock.advance(0.5)
+            _checked_at(pool, worker, clock)
+        thread.join(HANG_GUARD_S)
     finally:
-        pool.hang_timeout = 60
-    _assert_same_batch(batch, expected, pool.weight_version)
-    assert 2.0 <= waited < 20
+        pool.hang_timeout, pool.clock = 60, real_clock
+    assert "error" not in out, out.get("error")
+    _assert_same_batch(out["batch"], expected, pool.weight_version)
     assert pool.worker_ids == [healthy] and pool.lost[-1][0] == hung and "no engine step" in pool.lost[-1][1]
     pool.add_worker()
     assert pool.size == 2

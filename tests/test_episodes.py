@@ -160,13 +160,13 @@ def test_an_environment_error_or_timeout_ends_that_episode_alone(model):
 
     with RolloutGenerator(model, continuous_batching_config=CB) as gen:
         batch = gen.run_episodes(random_prompts([12, 10, 8], seed=2), Env(), sampling_params=SAMPLED,
-                                 env_timeout=0.3)
+                                 env_timeout=3.0)
         assert gen.stats().used_blocks == 0, "an ended episode kept its KV"
         assert not hung_call_returned.is_set(), "run_episodes waited for the hung call instead of timing it out"
     release.set()
     broken, hung, fine = batch.episodes
     assert broken.finish_reason == "error" and "tool crashed" in broken.error and len(broken.turns) == 2
-    assert hung.finish_reason == "error" and "env_timeout=0.3" in hung.error and len(hung.turns) == 1
+    assert hung.finish_reason == "error" and "env_timeout=3.0" in hung.error and len(hung.turns) == 1
     assert fine.finish_reason == "done" and fine.error is None and len(fine.turns) == 3
 
 

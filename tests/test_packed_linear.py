@@ -5,6 +5,7 @@ packed."""
 
 import dataclasses
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -217,26 +218,42 @@ def test_small_matmul_kernel_matches_f_linear(shape, bias):
     assert torch.allclose(small_matmul(strided, weight, b), F.linear(strided, weight, b), atol=1e-5, rtol=1e-5)
 
 
-def test_small_matmul_sums_do_not_depend_on_the_vector_width():
-    """An AVX2 build of the kernel (8-float vectors) gives the AVX-512 build's results bit for bit: the same lanes
-    meet the same products, whatever the registers (both have FMA). Checked in a child process built for
-    x86-64-v3, where this CPU runs it."""
-    if load_kernel() is None or "avx2" not in isa_flags() or "fma3" not in isa_flags():
-        pytest.skip("needs the C kernels and an AVX2 + FMA CPU")
-    code = ("import torch; from rollout.engine.cpu_kernel import small_matmul, kernel_build; "
-            "g = torch.Generator().manual_seed(0); x = torch.randn(7, 300, generator=g); "
-            "w = torch.randn(81, 300, generator=g); b = torch.randn(81, generator=g); "
-            "torch.save(small_matmul(x, w, b), __import__('sys').argv[1]); print(kernel_build().isa)")
+def _small_matmul_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Input widths with and without a tail past the 16-float steps, row counts across every tile size (8, 4, 2, 1
+    rows on AVX-512; 2 and 1 elsewhere), odd output counts, with and without a bias."""
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for in_features, out_features, rows, bias in [(300, 81, 7, True), (301, 9, 9, False), (16, 5, 3, True),
+                                                   (7, 4, 1, True), (960, 33, 8, False), (45, 2, 16, True)]:
+        x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+        cases.append((x, w, torch.randn(out_features, generator=g) if bias else None))
+    return cases
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_small_matmul_has_the_same_bits_on_every_target(march):
+    """The kernel's sums are fixed by its source, not by the compiler or the ISA: a build for another target (AVX2
+    with FMA, or SSE without FMA, where the fused multiply-adds are C's fmaf) gives this build's results bit for bit,
+    in a child process built for that target, for every width, tail and tile size."""
+    if load_kernel() is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs the C kernels on an x86-64 CPU")
+    if march == "x86-64-v3" and not {"avx2", "fma3"} <= set(isa_flags()):
+        pytest.skip("an x86-64-v3 build needs an AVX2 + FMA CPU")
+    code = ("import sys, torch; from rollout.engine.cpu_kernel import small_matmul, kernel_build; "
+            "from tests.test_packed_linear import _small_matmul_cases; "
+            "torch.save([small_matmul(*case) for case in _small_matmul_cases()], sys.argv[1]); "
+            "print(kernel_build().march)")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "out.pt")
-        env = {**os.environ, "ROLLOUT_KERNEL_MARCH": "x86-64-v3"}
+        env = {**os.environ, "ROLLOUT_KERNEL_MARCH": march}
         child = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True,
-                               timeout=300)
+                               timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert child.returncode == 0, child.stderr
-        assert child.stdout.split()[-1] == "avx2"
-        g = torch.Generator().manual_seed(0)
-        x, w, b = torch.randn(7, 300, generator=g), torch.randn(81, 300, generator=g), torch.randn(81, generator=g)
-        assert torch.equal(torch.load(path), small_matmul(x, w, b))
+        assert child.stdout.split()[-1] == march
+        theirs = torch.load(path)
+    for case, other in zip(_small_matmul_cases(), theirs, strict=True):
+        ours = small_matmul(*case)
+        assert torch.equal(other, ours), (tuple(case[1].shape), (other - ours).abs().max().item())
 
 
 @needs_fp32_packing

@@ -8,7 +8,6 @@ import argparse
 import copy
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -31,6 +30,7 @@ from rollout.validation import InvalidRequestError
 from tests.helpers.models import perturbed, random_prompts, tiny_model
 from tests.helpers.server import LOCAL, running_server
 from tests.helpers.tokenizers import tiny_tokenizer
+from tests.helpers.waiting import wait_for
 
 MODEL = "tiny"
 PAGE, BLOCKS = 8, 256
@@ -76,17 +76,16 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
-def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
+def wait_idle(server) -> dict[str, float]:
     """Poll /metrics until nothing runs or waits and every KV block is free (no leak)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def idle_metrics():
         m = metrics(server)
         idle = (m["rollout_num_requests_running"] == 0 and m["rollout_num_requests_waiting"] == 0
                 and m["rollout_kv_cache_free_blocks"] == m["rollout_kv_cache_num_blocks"])
-        if idle or time.monotonic() > deadline:
-            assert idle, f"server not idle: {m}"
-            return m
-        time.sleep(0.05)
+        return m if idle else None
+
+    return wait_for(idle_metrics, f"server idle with every block free (last: {metrics(server)})")
 
 
 def reference(server, model, prompts, max_new_tokens):
@@ -278,10 +277,10 @@ def test_prefix_cache_reset_and_pause_resume(server, rc):
         box = {}
         worker = threading.Thread(target=lambda: box.update(out=rc.generate(prompt, max_tokens=5, temperature=0)))
         worker.start()
-        time.sleep(0.3)
+        m = wait_for(lambda: (m := metrics(server))["rollout_num_requests_waiting"] >= 1 and m,
+                     "the request queued behind the pause")  # metrics answer while paused
         assert worker.is_alive(), "a request completed while generation was paused"
-        m = metrics(server)  # metrics answer while paused
-        assert m["rollout_paused"] == 1 and m["rollout_num_requests_waiting"] >= 1
+        assert m["rollout_paused"] == 1
         version = rc.update_weights_from_model(server.model)  # weight updates apply while paused
     finally:
         rc.resume()
@@ -314,11 +313,9 @@ def test_disconnect_while_waiting_for_a_plain_response_cancels(server, rc):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(server.url + "/v1/completions", timeout=0.3,
                        json=dict(model=MODEL, prompt=[5, 6, 7], max_tokens=50, n=2))
-        deadline = time.monotonic() + 10
         cancelled = 'rollout_request_finished_total{finish_reason="cancelled"}'
-        while metrics(server)[cancelled] - before[cancelled] < 2:  # noticed within the server's 0.5 s poll
-            assert time.monotonic() < deadline, "the abandoned request was not cancelled"
-            time.sleep(0.05)
+        wait_for(lambda: metrics(server)[cancelled] - before[cancelled] >= 2,  # the server's disconnect poll
+                 "the abandoned request cancelled")
     finally:
         rc.resume()
     after = wait_idle(server)
@@ -397,10 +394,7 @@ def test_requests_cut_by_a_shutdown_answer_503():
         threads = [threading.Thread(target=fn, args=(client,)) for fn in (plain, stream)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while backend.manager.stats().queued < 2:  # both requests reached the manager
-            assert time.monotonic() < deadline, "the requests never reached the manager"
-            time.sleep(0.02)
+        wait_for(lambda: backend.manager.stats().queued >= 2, "both requests reached the manager")
         backend.manager.stop(hard_stop=True, timeout=30)
         for t in threads:
             t.join(30)
@@ -518,11 +512,13 @@ def test_health_recovers_without_traffic_through_its_probe():
     with TestClient(app, base_url=LOCAL) as client:
         assert client.post("/v1/completions", json=dict(model=MODEL, prompt=[1, 2], max_tokens=2)).status_code == 500
         forward.broken = False
-        deadline = time.monotonic() + 60
-        while (state := _health(client))[0] != 200:
-            assert state[1]["status"] == "degraded", state
-            assert time.monotonic() < deadline, f"never recovered: {state}"
-            time.sleep(0.05)
+
+        def recovered():
+            state = _health(client)
+            assert state[0] == 200 or state[1]["status"] == "degraded", state
+            return state if state[0] == 200 else None
+
+        state = wait_for(recovered, "/health back to 200 through its probe")
         assert state[1]["status"] == "ok"
         engine = app.state.backend.engine
         assert engine.counters["forward_errors"] == 1 and not engine.health.failing

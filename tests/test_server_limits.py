@@ -8,12 +8,14 @@ import math
 import socket
 import threading
 import time
+import tracemalloc
 
 import httpx
 import pytest
 
 from rollout.server.limits import h11_protocol
 from tests.helpers.server import local_client, running_server, tiny_app
+from tests.helpers.waiting import HANG_GUARD_S, FakeClock, wait_for
 
 COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 2}
 CHAT = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2}
@@ -36,17 +38,32 @@ def raw_json(client, path: str, text: str):
                                                                                      "application/json"})
 
 
-def test_a_million_samples_is_a_fast_400_and_the_server_keeps_serving():
+def _submitted(manager) -> tuple[int, int]:
+    """What reached the manager: prompt tokens the engine took, and requests still queued in front of it."""
+    stats = manager.stats()
+    return stats.prompt_tokens, stats.queued
+
+
+def test_a_million_samples_is_a_cheap_400_and_the_server_keeps_serving():
+    """n is checked before anything is built per sample: the refusal allocates far less than one million sequences
+    would (traced Python memory), and no request reaches the engine."""
     with local_client() as c:  # the default bound: OpenAI's 128
+        manager = c.app_state.backend.manager
         for path, body in [("/v1/completions", {"prompt": "w1 w2", "max_tokens": 1, "n": 1_000_000}),
                            ("/v1/chat/completions", {**CHAT, "n": 1_000_000})]:
-            start = time.monotonic()
-            err = error_of(c.post(path, json=body))
-            assert time.monotonic() - start < 1.0
+            submitted = _submitted(manager)
+            tracemalloc.start()
+            try:
+                err = error_of(c.post(path, json=body))
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
             assert err["param"] == "n" and "128" in err["message"]
+            assert peak < 16 * 2**20, f"refusing n=1e6 allocated {peak / 2**20:.0f} MiB"
+            assert _submitted(manager) == submitted
         assert c.post("/v1/completions", json={**COMPLETION, "n": 128}).status_code == 200
         assert c.get("/metrics").status_code == 200
-        assert c.app_state.backend.manager.stats().used_blocks == 0
+        assert manager.stats().used_blocks == 0
 
 
 def test_the_sequences_of_one_request_are_bounded(client):
@@ -133,24 +150,32 @@ def test_clients_cannot_bring_templates_or_rendering_options(client, kwargs):
 
 
 def test_chat_templates_render_off_the_event_loop():
-    """A slow render (a long conversation, a heavy model template) must not stall /health or other requests."""
+    """A slow render (a long conversation, a heavy model template) must not stall /health or other requests: /health
+    answers while a render is still blocked (were the render on the event loop, /health could not answer until it
+    is released, and the client would time out)."""
     app = tiny_app()
     tokenizer = app.state.server.jobs.tokenizer
     render = tokenizer.apply_chat_template
+    rendering, release = threading.Event(), threading.Event()
 
     def slow_render(*args, **kwargs):
-        time.sleep(1.5)
+        rendering.set()
+        release.wait(HANG_GUARD_S)
         return render(*args, **kwargs)
 
     tokenizer.apply_chat_template = slow_render
-    with running_server(app) as url, httpx.Client(base_url=url, timeout=30) as http:
-        chat = threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": CHAT})
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=HANG_GUARD_S / 4) as http:
+        replies = {}
+        chat = threading.Thread(target=lambda: replies.update(chat=http.post("/v1/chat/completions", json=CHAT)))
         chat.start()
-        time.sleep(0.2)
-        start = time.monotonic()
-        assert http.get("/health").status_code == 200
-        assert time.monotonic() - start < 0.5
-        chat.join(30)
+        assert rendering.wait(HANG_GUARD_S), "the chat request never reached the template"
+        try:
+            assert http.get("/health").status_code == 200
+            assert not release.is_set() and "chat" not in replies  # answered while the render was blocked
+        finally:
+            release.set()
+        chat.join(HANG_GUARD_S)
+        assert replies["chat"].status_code == 200
 
 
 def test_body_size_is_bounded_before_and_while_reading():
@@ -163,31 +188,28 @@ def test_body_size_is_bounded_before_and_while_reading():
         assert c.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
-def _raw_exchange(url: str, data: bytes, wait_s: float) -> bytes:
-    """Send `data` on a fresh connection and read what comes back within `wait_s` (until the server closes)."""
+def _raw_exchange(url: str, data: bytes) -> tuple[bytes, bool]:
+    """Send `data` on a fresh connection; returns what came back and whether the server closed the connection
+    (False: the client gave up waiting after HANG_GUARD_S / 4, so the server never cut it)."""
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+    with socket.create_connection((host, int(port)), timeout=HANG_GUARD_S / 4) as sock:
         sock.sendall(data)
         received = b""
         try:
             while chunk := sock.recv(65536):
                 received += chunk
         except TimeoutError:
-            pass
-        return received
+            return received, False
+        return received, True
 
 
 def test_a_stalled_body_gets_408_and_half_sent_headers_are_cut():
     app = tiny_app(body_timeout_s=0.5)
     with running_server(app, http=h11_protocol(0.5)) as url:
-        start = time.monotonic()
-        reply = _raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
-                              b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"", wait_s=5)
-        assert reply.startswith(b"HTTP/1.1 408") and b"stalled" in reply, reply
-        assert time.monotonic() - start < 3
-        start = time.monotonic()
-        assert _raw_exchange(url, b"GET /health HTTP/1.1\r\nHost: loc", wait_s=5) == b""  # closed, no answer
-        assert time.monotonic() - start < 3
+        reply, closed = _raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                                      b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        assert reply.startswith(b"HTTP/1.1 408") and b"stalled" in reply and closed, reply
+        assert _raw_exchange(url, b"GET /health HTTP/1.1\r\nHost: loc") == (b"", True)  # closed, no answer
         with httpx.Client(base_url=url) as http:  # a normal keep-alive client is not affected
             for _ in range(2):
                 assert http.get("/health").status_code == 200
@@ -195,8 +217,12 @@ def test_a_stalled_body_gets_408_and_half_sent_headers_are_cut():
 
 
 def test_a_pause_that_outlasts_its_limit_answers_503_instead_of_hanging():
+    """Requests parked behind /pause wait while the pause is within pause_timeout_s and get a 503 once it is overdue;
+    one arriving after that is refused before it is queued. The limit runs on the backend's clock, driven here."""
     with local_client(pause_timeout_s=1.0) as c:
         backend = c.app_state.backend
+        backend.clock = clock = FakeClock()
+        manager = backend.manager
         replies = {}
 
         def plain():
@@ -207,26 +233,25 @@ def test_a_pause_that_outlasts_its_limit_answers_503_instead_of_hanging():
                 replies["stream"] = [line for line in resp.iter_lines() if line]
 
         assert c.post("/pause", json={}).json() == {"paused": True}
-        start = time.monotonic()
         waiting = [threading.Thread(target=fn) for fn in (plain, stream)]  # parked behind the pause
         for t in waiting:
             t.start()
+        wait_for(lambda: manager.stats().queued + manager.stats().waiting >= 2, "both requests queued behind the pause")
+        assert all(t.is_alive() for t in waiting) and not replies  # within the limit: they wait
+        clock.advance(1.5)
         for t in waiting:
-            t.join(10)
-        assert time.monotonic() - start < 5
+            t.join(HANG_GUARD_S)
         err = error_of(replies["plain"], 503)
         assert err["code"] == "generation_paused" and "/resume" in err["message"]
         events = replies["stream"]
         assert json.loads(events[-2][6:])["error"]["code"] == "generation_paused" and events[-1] == "data: [DONE]"
-        start = time.monotonic()
+        submitted = _submitted(manager)
         assert error_of(c.post("/v1/completions", json=COMPLETION), 503)["code"] == "generation_paused"
-        assert time.monotonic() - start < 0.5  # a request arriving once the pause is overdue is answered at once
+        assert _submitted(manager) == submitted  # refused at the door, never queued
         assert c.post("/resume", json={}).json() == {"paused": False}
         assert c.post("/v1/completions", json=COMPLETION).status_code == 200
-        deadline = time.monotonic() + 10
-        while backend.manager.stats().used_blocks or backend.manager.stats().waiting:
-            assert time.monotonic() < deadline, "the requests cut by the pause kept their blocks"
-            time.sleep(0.05)
+        wait_for(lambda: not manager.stats().used_blocks and not manager.stats().waiting,
+                 "the requests cut by the pause gave back their blocks")
 
 
 def test_finished_counters_count_sequences_whose_client_left():
@@ -248,15 +273,9 @@ def test_finished_counters_count_sequences_whose_client_left():
             try:
                 with pytest.raises(httpx.TimeoutException):
                     http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
-                deadline = time.monotonic() + 10
-                while backend.finished_counts().get("cancelled", 0) < 2:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
+                wait_for(lambda: backend.finished_counts().get("cancelled", 0) >= 2, "both left choices cancelled")
             finally:
                 backend.manager.resume_generation()
             assert http.post("/v1/completions", json={**body, "stream": False}).status_code == 200
-        deadline = time.monotonic() + 10
-        while sum(backend.finished_counts().values()) < 10:
-            assert time.monotonic() < deadline, backend.finished_counts()
-            time.sleep(0.05)
+        wait_for(lambda: sum(backend.finished_counts().values()) >= 10, "all 10 sequences counted")
     assert backend.finished_counts() == {"length": 8, "cancelled": 2}

@@ -3,7 +3,6 @@ and its commit changes nothing; only real floating tensors are taken, each check
 in number, size and idle time; a chunk for an unknown upload is refused before its body is read."""
 
 import socket
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from safetensors.torch import save
 from rollout.rl.weights import StagedUpdate
 from tests.helpers.models import perturbed, tiny_model
 from tests.helpers.server import local_client, running_server, tiny_app
+from tests.helpers.waiting import FakeClock
 
 BINARY = {"content-type": "application/octet-stream"}
 NORM = "model.norm.weight"
@@ -145,9 +145,17 @@ def test_uploads_are_capped_in_size():
 
 
 def test_idle_uploads_expire():
+    """An upload idle past upload_ttl_s is dropped; one still in use is not (the TTL runs on the uploads' clock,
+    driven here)."""
     with local_client(upload_ttl_s=0.3, max_uploads=1) as client:
+        client.app_state.backend.weights.clock = clock = FakeClock()
         update_id = begin(client)
-        time.sleep(0.5)
+        clock.advance(0.2)
+        assert chunk(client, update_id, {NORM: torch.ones(64)}).status_code == 200  # within the TTL: kept, touched
+        clock.advance(0.2)
+        second = client.post("/update_weights/begin", json={})  # idle 0.2 s since that chunk: still holds the place
+        assert second.status_code == 429, second.text
+        clock.advance(0.2)
         new_id = begin(client)  # the expired one no longer holds the only place
         r = chunk(client, update_id, {NORM: torch.ones(64)})
         assert r.status_code == 400 and "unknown weight update id" in r.json()["error"]["message"]

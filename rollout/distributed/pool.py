@@ -19,7 +19,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +117,7 @@ class RolloutPool:
                      else ModelSpec.from_model(model, dtype))
         config = continuous_batching_config or ContinuousBatchingConfig()
         self.hang_timeout = hang_timeout
+        self.clock: Callable[[], float] = time.monotonic  # the time source of hang detection (tests drive it)
         self.startup_timeout = startup_timeout
         self.last_update_seconds = 0.0
         self.last_update_timing: dict[str, float] = {}
@@ -269,7 +270,7 @@ class RolloutPool:
         with self._lock:
             live = self._live()
             chosen = spread([costs[j] for j in indices], {w: w.queued_tokens for w in live})
-            now = time.monotonic()
+            now = self.clock()
             for worker, picks in chosen.items():
                 if not picks:
                     continue
@@ -293,7 +294,7 @@ class RolloutPool:
     def _hung(self, pending: dict[ray.ObjectRef, _Dispatch]) -> list[ray.ObjectRef]:
         """Dispatches whose worker has made no engine step for `hang_timeout` seconds (heartbeats are sent as we go;
         a worker stuck inside a step cannot answer one)."""
-        now = time.monotonic()
+        now = self.clock()
         hung = []
         for ref, dispatch in pending.items():
             worker = dispatch.worker

@@ -45,9 +45,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 MATMUL_SOURCE = Path(__file__).with_name("csrc") / "small_matmul.c"  # built into the same library
-# -ffast-math may reassociate sums (split one accumulator into several where a loop has few): each output of the
-# matmul then depends on how the rows were tiled. Its sums keep the written order.
-SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-associative-math"]}
+# The matmul's sums keep the order the source writes, on every target: -ffast-math would let the compiler reassociate
+# or vectorize a sum in an order of its own, and contraction would fuse a multiply and an add where the target has FMA
+# (so an AVX-512 and an AVX2 build gave different bits). Its fused multiply-adds are explicit in the source instead.
+SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"]}
 ENV_SWITCH = "ROLLOUT_CPU_KERNEL"
 ENV_CACHE_DIR = "ROLLOUT_KERNEL_CACHE"
 ENV_MARCH = "ROLLOUT_KERNEL_MARCH"

@@ -68,7 +68,8 @@ class ServerBackend:
         self.manager.start()
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-server-control")
         self.weights = WeightUpdates(self.generator, self.run_on_control, self.settings)
-        self._paused_at: float | None = None  # monotonic time of the HTTP /pause holding a manager pause count
+        self.clock: Callable[[], float] = time.monotonic  # the time source of the pause limit (tests drive it)
+        self._paused_at: float | None = None  # clock time of the HTTP /pause holding a manager pause count
         self._closed = False
         self._count_lock = threading.Lock()
         self.finished: Counter[str] = Counter()  # sequences finished, by finish reason ("cancelled", "error" too)
@@ -108,7 +109,7 @@ class ServerBackend:
         """The 503 for requests parked behind a /pause that has outlasted `pause_timeout_s`, else None: a client
         without a timeout of its own is never left waiting forever."""
         paused_at, limit = self._paused_at, self.settings.pause_timeout_s
-        if paused_at is None or time.monotonic() - paused_at <= limit:
+        if paused_at is None or self.clock() - paused_at <= limit:
             return None
         return OpenAIError(f"generation has been paused (POST /pause) for over {limit:g} s; this request was "
                            "cancelled: retry after POST /resume", status_code=503, code="generation_paused")
@@ -234,7 +235,7 @@ class ServerBackend:
     def _pause(self) -> bool:
         if not self.paused:
             self.manager.pause_generation()
-            self._paused_at = time.monotonic()
+            self._paused_at = self.clock()
             logger.info("generation paused")
         return True
 

@@ -56,7 +56,7 @@ class Upload:
 
     update_id: str
     staged: StagedUpdate | None  # None once the upload failed: what it staged is freed
-    touched: float = field(default_factory=time.monotonic)  # last activity, for the idle limit
+    touched: float  # last activity (WeightUpdates.clock), for the idle limit
     num_tensors: int = 0
     num_chunks: int = 0
     num_bytes: int = 0
@@ -78,6 +78,7 @@ class WeightUpdates:
         self.settings = settings or ServerSettings()
         self._run_on_control = run_on_control
         self._uploads: dict[str, Upload] = {}
+        self.clock: Callable[[], float] = time.monotonic  # the time source of the upload TTL (tests drive it)
         self._uploads_lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.max_upload_bytes = self.settings.max_upload_bytes or _float64_size(generator.model)
@@ -128,7 +129,7 @@ class WeightUpdates:
                                   f"{self.settings.max_uploads}); commit or abort one first",
                                   status_code=429, code="too_many_uploads")
             update_id = uuid.uuid4().hex
-            self._uploads[update_id] = Upload(update_id, StagedUpdate(self.generator.model))
+            self._uploads[update_id] = Upload(update_id, StagedUpdate(self.generator.model), touched=self.clock())
         return update_id
 
     async def add_chunk(self, update_id: str, request: Request) -> int:
@@ -182,13 +183,13 @@ class WeightUpdates:
             raise WeightUpdateError(f"unknown weight update id {update_id!r}: begin one with POST "
                                     "/update_weights/begin (uploads end at commit or abort, or after "
                                     f"{self.settings.upload_ttl_s:g} s without a chunk)")
-        upload.touched = time.monotonic()
+        upload.touched = self.clock()
         return upload
 
     def _drop_expired(self) -> None:
         """Forget uploads idle past the TTL, and failed ones beyond FAILED_KEPT, oldest first (caller holds the
         uploads lock)."""
-        now, ttl = time.monotonic(), self.settings.upload_ttl_s
+        now, ttl = self.clock(), self.settings.upload_ttl_s
         for uid in [uid for uid, up in self._uploads.items() if now - up.touched > ttl]:
             logger.warning("dropping weight upload %s: no chunk, commit or abort within %gs", uid, ttl)
             self._uploads.pop(uid).fail("expired")

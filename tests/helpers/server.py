@@ -4,9 +4,10 @@ TestClient on a fresh tiny-model app (`local_client`)."""
 import contextlib
 import socket
 import threading
-import time
 
 import uvicorn
+
+from tests.helpers.waiting import wait_for
 
 LOCAL = "http://localhost"  # TestClient's default Host ("testserver") is not one a server without keys answers for
 PAGE, BLOCKS = 8, 128
@@ -22,10 +23,8 @@ def running_server(app, **uvicorn_options):
     srv = uvicorn.Server(uvicorn.Config(app, **options))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
+    wait_for(lambda: srv.started or not thread.is_alive(), "the server started")
+    assert thread.is_alive(), "the server thread died while starting"
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:

@@ -9,12 +9,22 @@
  * (cpu_features.SMALL_MATMUL_ISAS).
  *
  * Layout: x [M, K] with row stride ldx (unit stride within a row); w [N, K] contiguous; bias [N] or NULL; out [M, N]
- * with row stride ldo. Portable C with GCC/Clang vector types (lowered to the target's registers) and no intrinsics,
- * like paged_attention.c; the sums are in a fixed order that depends on K only, never on the thread count, the
- * number of rows or the vector width (every output is one dot product, however the rows are tiled).
+ * with row stride ldo. Portable C with GCC/Clang vector types (lowered to the target's registers); the one intrinsic
+ * is the fused multiply-add.
+ *
+ * Same bits on every target, by construction: each output is one dot product whose operations are fixed by the
+ * source, never by the compiler or the tiling. Lane l accumulates the products at k = 16 i + l with an explicit fused
+ * multiply-add (fma_lanes); the 16 lanes are then summed in a written pairwise tree (sum_lanes); the K % 16 tail is
+ * added front to back, again with fmaf; the bias last. The file is compiled without -ffast-math and with
+ * -ffp-contract=off (cpu_kernel.SOURCE_FLAGS), so no sum is reassociated, vectorized into another order or contracted.
+ * The result therefore depends on K only: not on the thread count, the number of rows, the vector width (AVX-512,
+ * AVX2, SSE) or whether the CPU has FMA (fmaf is exact in software too).
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 /* A step over K covers 16 floats, held as SPLIT vectors of WIDTH floats: one register on AVX-512, two on AVX2 (a
  * 16-float vector type there is split by the compiler and spilled to the stack). Lane l of a step always accumulates
@@ -33,6 +43,21 @@
 #define PAIRS_PER_GRAB 16 /* weight-row pairs a thread takes at a time (dynamic: a preempted thread's share moves) */
 
 typedef float vec_t __attribute__((vector_size(WIDTH * sizeof(float))));
+
+/* acc + a * b lane by lane, rounded once: an explicit fused multiply-add (the instruction where the target has it, C's
+ * fmaf lane by lane where not), never a contraction left to the compiler. IEEE 754 defines fma exactly, so a lane's
+ * sum has the same bits on every target. */
+static inline vec_t fma_lanes(vec_t a, vec_t b, vec_t acc) {
+#if WIDTH == 16 && defined(__AVX512F__)
+    return (vec_t)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif WIDTH == 8 && defined(__FMA__)
+    return (vec_t)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    vec_t r;
+    for (int i = 0; i < WIDTH; i++) r[i] = __builtin_fmaf(a[i], b[i], acc[i]);
+    return r;
+#endif
+}
 
 static inline vec_t load(const float *p) {
     vec_t v;
@@ -68,16 +93,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
             const vec_t a = load(w0 + k + h * WIDTH), b = load(w1 + k + h * WIDTH);
             for (int m = 0; m < rows; m++) {
                 const vec_t xv = load(x + m * ldx + k + h * WIDTH);
-                acc[m][0][h] += xv * a;
-                acc[m][1][h] += xv * b;
+                acc[m][0][h] = fma_lanes(xv, a, acc[m][0][h]);
+                acc[m][1][h] = fma_lanes(xv, b, acc[m][1][h]);
             }
         }
     }
     for (int m = 0; m < rows; m++) {
         float s0 = sum_lanes(acc[m][0]), s1 = sum_lanes(acc[m][1]);
         for (int64_t i = k; i < k_len; i++) {
-            s0 += x[m * ldx + i] * w0[i];
-            s1 += x[m * ldx + i] * w1[i];
+            s0 = __builtin_fmaf(x[m * ldx + i], w0[i], s0);
+            s1 = __builtin_fmaf(x[m * ldx + i], w1[i], s1);
         }
         if (bias) s0 += bias[n0], s1 += bias[n0 + 1];
         out[m * ldo + n0] = s0;
@@ -108,9 +133,10 @@ static void last_column(const float *x, int64_t ldx, const float *w, const float
         for (int h = 0; h < SPLIT; h++) acc[h] = (vec_t){0};
         int64_t k = 0;
         for (; k + STEP <= k_len; k += STEP)
-            for (int h = 0; h < SPLIT; h++) acc[h] += load(x + m * ldx + k + h * WIDTH) * load(row + k + h * WIDTH);
+            for (int h = 0; h < SPLIT; h++)
+                acc[h] = fma_lanes(load(x + m * ldx + k + h * WIDTH), load(row + k + h * WIDTH), acc[h]);
         float s = sum_lanes(acc);
-        for (; k < k_len; k++) s += x[m * ldx + k] * row[k];
+        for (; k < k_len; k++) s = __builtin_fmaf(x[m * ldx + k], row[k], s);
         out[m * ldo + n] = bias ? s + bias[n] : s;
     }
 }
