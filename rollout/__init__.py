@@ -23,9 +23,9 @@ _EXPORTS = {
     "LLMEngine": "rollout.engine",
     "RequestOutput": "rollout.engine",
     "RequestStatus": "rollout.engine",
-    "RolloutBatch": "rollout.rl.generator",
+    "RolloutBatch": "rollout.rl.batch",
     "RolloutGenerator": "rollout.rl.generator",
-    "RolloutSample": "rollout.rl.generator",
+    "RolloutSample": "rollout.rl.batch",
     "SamplingParams": "rollout.sampling_params",
     "WeightUpdateError": "rollout.rl.weights",
     "continuous_batching_context_manager": "rollout.generate",
@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from rollout.engine.stats import EngineStats
     from rollout.generate import continuous_batching_context_manager, generate_batch, init_continuous_batching
     from rollout.manager import ContinuousBatchingManager, ManagerError
-    from rollout.rl.generator import RolloutBatch, RolloutGenerator, RolloutSample
+    from rollout.rl.batch import RolloutBatch, RolloutSample
+    from rollout.rl.generator import RolloutGenerator
     from rollout.rl.weights import WeightUpdateError
     from rollout.sampling_params import SamplingParams
     from rollout.validation import InvalidRequestError

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from rollout.openai_params import to_openai
-from rollout.rl.weights import WeightUpdateError
+from rollout.rl.weights import WeightUpdateError, cpu_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -215,12 +215,10 @@ class RolloutClient:
 def weight_chunks(source, chunk_bytes: int = DEFAULT_CHUNK_BYTES, dtype=None) -> Iterator[dict]:
     """Dicts of CPU tensors of about `chunk_bytes` each, ready for safetensors.
 
-    Tensors come from `rollout.distributed.broadcast.cpu_tensors`: each owns exactly its bytes, a stream's are
+    Tensors come from `rollout.rl.weights.cpu_tensors`: each owns exactly its bytes, a stream's are
     copies (it may overwrite them once the next is read), and a module's tied weights come once (the server copies
     into shared storage once anyway, and safetensors refuses shared tensors in one file).
     """
-    from rollout.distributed.broadcast import cpu_tensors
-
     chunk: dict = {}
     size = 0
     for name, tensor in cpu_tensors(source, dtype):

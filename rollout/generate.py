@@ -11,7 +11,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.request import RequestOutput
-from rollout.sampling_params import SamplingParams, resolve_sampling
+from rollout.engine.resolve import resolve_sampling
+from rollout.sampling_params import SamplingParams
 
 
 def _per_request(sampling_params, count: int) -> list[SamplingParams | None]:

@@ -14,24 +14,32 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rollout.manager import ContinuousBatchingManager
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
+
+
+class StoppableLoop(Protocol):
+    """What interpreter exit needs of a loop (ContinuousBatchingManager has it): this module sits below the manager
+    and never imports it."""
+
+    def is_running(self) -> bool: ...
+
+    def signal_stop(self, hard_stop: bool, error: str | None = None) -> None: ...
+
+    def join(self, timeout: float | None = None) -> bool: ...
 
 EXIT_JOIN_TIMEOUT_S = 30.0  # how long interpreter exit waits for the loops to finish their current step
 EXIT_ERROR = "RuntimeError: the Python interpreter is exiting; the manager was hard-stopped"
 
 # Managers whose loop was started. Weak: the registry never keeps a manager alive (a running loop thread does, through
 # its target, until it ends).
-_live_managers: weakref.WeakSet[ContinuousBatchingManager] = weakref.WeakSet()
+_live_managers: weakref.WeakSet[StoppableLoop] = weakref.WeakSet()
 _registry_lock = threading.Lock()
 _exit_hook_installed = False
 
 
-def track(manager: ContinuousBatchingManager) -> None:
+def track(manager: StoppableLoop) -> None:
     """Remember a started manager so interpreter exit can stop its loop; installs the exit hook once."""
     global _exit_hook_installed
     with _registry_lock:

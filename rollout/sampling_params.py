@@ -1,26 +1,18 @@
-"""Per-request sampling and stopping settings, and how they merge with a model's `GenerationConfig`.
+"""Per-request sampling and stopping settings, as a caller writes them (every field optional).
 
-`SamplingParams` is what a caller writes (every field optional); `ResolvedSampling` is what the engine consumes
-(every field concrete, validated once at submission so the sampler never meets a bad value).
+What the engine consumes is their resolution over the model's `GenerationConfig`, `ResolvedSampling`
+(rollout.engine.resolve): every field concrete and validated once, at submission.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
-
-from transformers import GenerationConfig
-
-from rollout.validation import check_sampling
 
 if TYPE_CHECKING:
     import torch
     from transformers import LogitsProcessor
-
-    from rollout.engine.logits_processors import RequestProcessors
-    from rollout.engine.structured_output import CompiledConstraint, StructuredOutput
 
     LogitsProcessorLike = Callable[[list[int], torch.Tensor], torch.Tensor] | LogitsProcessor
 
@@ -84,102 +76,3 @@ class SamplingParams:
         if unknown:
             raise TypeError(f"Unknown sampling parameter(s) {unknown}; valid names are {sorted(known)}.")
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-
-@dataclass(frozen=True)
-class ResolvedSampling:
-    """Concrete, validated settings the engine uses for one sequence."""
-
-    greedy: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    seed: int | None
-    max_new_tokens: int
-    min_new_tokens: int
-    stop_token_ids: frozenset[int]
-    eos_token_ids: frozenset[int]
-    stop_strings: tuple[str, ...] = ()
-    processors: RequestProcessors | None = None  # logit bias, token masks and the request's own processors
-    structured: StructuredOutput | None = None  # the structured-output spec, as asked
-    constraint: CompiledConstraint | None = None  # that spec compiled for the engine's tokenizer (by the engine)
-    logprobs: int | None = None  # top alternatives per generated token; None: none (and no raw logprobs)
-    prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt logprobs
-    prompt_logprobs_start: int = 1  # first prompt position whose logprob is wanted
-    prompt_logprobs_temperature: float = 1.0
-
-    @property
-    def truncates(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-    @cached_property
-    def shapes_logits(self) -> bool:
-        """Whether anything besides temperature, truncation and the min-new-tokens stop mask touches this request's
-        logits at every step: the sampler skips the processor pass for batches where no row does."""
-        return self.repetition_penalty != 1.0 or self.processors is not None or self.structured is not None
-
-    @cached_property
-    def stop_ids(self) -> frozenset[int]:
-        """Every id that ends the sequence: EOS and stop_token_ids (masked until min_new_tokens are out)."""
-        return self.eos_token_ids | self.stop_token_ids
-
-
-def _pick(value: Any, fallback: Any, default: Any) -> Any:
-    if value is not None:
-        return value
-    return default if fallback is None else fallback
-
-
-def _as_id_set(value: int | list[int] | tuple[int, ...] | None) -> frozenset[int]:
-    if value is None:
-        return frozenset()
-    if isinstance(value, int):
-        return frozenset([value])
-    return frozenset(int(v) for v in value)
-
-
-def resolve_sampling(
-    params: SamplingParams | None,
-    generation_config: GenerationConfig | None,
-    model_eos: int | list[int] | None = None,
-) -> ResolvedSampling:
-    """Merge request params over the generation config and validate. Raises ValueError naming the bad field."""
-    # Imported here: the engine package imports this module, so a module-level import would be circular.
-    from rollout.engine.logits_processors import request_processors
-    from rollout.engine.structured_output import structured_output
-
-    p = params or SamplingParams()
-    g = generation_config or GenerationConfig()
-    temperature = float(_pick(p.temperature, getattr(g, "temperature", None), 1.0))
-    if p.temperature == 0 or p.do_sample is False:
-        greedy = True
-    elif p.do_sample is True or p.temperature is not None:
-        greedy = False
-    else:
-        greedy = not bool(getattr(g, "do_sample", False)) or temperature == 0
-    resolved = ResolvedSampling(
-        greedy=greedy,
-        temperature=temperature,
-        top_k=int(_pick(p.top_k, getattr(g, "top_k", None), 0)),
-        top_p=float(_pick(p.top_p, getattr(g, "top_p", None), 1.0)),
-        min_p=float(_pick(p.min_p, getattr(g, "min_p", None), 0.0)),
-        repetition_penalty=float(_pick(p.repetition_penalty, getattr(g, "repetition_penalty", None), 1.0)),
-        seed=p.seed,
-        max_new_tokens=int(_pick(p.max_new_tokens, getattr(g, "max_new_tokens", None), DEFAULT_MAX_NEW_TOKENS)),
-        min_new_tokens=int(_pick(p.min_new_tokens, getattr(g, "min_new_tokens", None), 0)),
-        stop_token_ids=_as_id_set(p.stop_token_ids),
-        stop_strings=tuple(p.stop_strings or ()) if not isinstance(p.stop_strings, str) else (p.stop_strings,),
-        eos_token_ids=frozenset()
-        if p.ignore_eos
-        else _as_id_set(_pick(p.eos_token_id, getattr(g, "eos_token_id", None), model_eos)),
-        processors=request_processors(p),
-        structured=structured_output(p),
-        logprobs=p.logprobs,
-        prompt_logprobs=p.prompt_logprobs,
-        prompt_logprobs_start=1 if p.prompt_logprobs_start is None else p.prompt_logprobs_start,
-        prompt_logprobs_temperature=1.0 if p.prompt_logprobs_temperature is None else p.prompt_logprobs_temperature,
-    )
-    check_sampling(resolved, p)
-    return resolved

@@ -11,7 +11,7 @@ from rollout.distributed.broadcast import collect_weights, pack, rejection, unpa
 from rollout.distributed.metrics import batch_stats, pooled, worker_metrics
 from rollout.distributed.spec import ModelSpec
 from rollout.engine.stats import EngineStats
-from rollout.rl.generator import RolloutBatch
+from rollout.rl.batch import RolloutBatch
 from tests.helpers.models import random_prompts, tiny_model
 from trainer_hooks.metrics import rollout_metrics
 

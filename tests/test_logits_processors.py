@@ -24,8 +24,9 @@ from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.engine import logits_processors
 from rollout.engine.engine import LLMEngine
 from rollout.engine.request import ErrorKind, RequestStatus
-from rollout.engine.sampler import Sampler, SampleRow
-from rollout.sampling_params import resolve_sampling
+from rollout.engine.resolve import resolve_sampling
+from rollout.engine.rows import SampleRow
+from rollout.engine.sampler import Sampler
 from rollout.validation import InvalidRequestError
 from tests.helpers.models import VOCAB, greedy_reference, random_prompts, run_engine, tiny_model
 

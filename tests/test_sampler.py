@@ -18,8 +18,9 @@ from transformers.generation.logits_process import (
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.engine.engine import LLMEngine
-from rollout.engine.sampler import Sampler, SampleRow
-from rollout.sampling_params import resolve_sampling
+from rollout.engine.resolve import resolve_sampling
+from rollout.engine.rows import SampleRow
+from rollout.engine.sampler import Sampler
 from tests.helpers.models import VOCAB, greedy_reference, random_prompts, run_engine, tiny_model
 
 TOL = 1e-5

@@ -13,11 +13,12 @@ from transformers import GenerationConfig
 
 from rollout.engine.block_pool import BlockPool
 from rollout.engine.request import ErrorKind, RequestStatus
-from rollout.engine.sampler import SampleResult
+from rollout.engine.resolve import resolve_sampling
+from rollout.engine.rows import SampleResult
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence_group import SequenceGroup, sequence_ids
 from rollout.engine.stopping import StopChecker
-from rollout.sampling_params import SamplingParams, resolve_sampling
+from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed
 
 EOS = 99

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollout.rl.generator import RolloutBatch, RolloutGenerator
+from rollout.rl.batch import RolloutBatch
+from rollout.rl.generator import RolloutGenerator
 
 
 class ConversationKV:

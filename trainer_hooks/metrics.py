@@ -6,7 +6,7 @@ import logging
 from collections import Counter
 
 from rollout.distributed.metrics import worker_metrics
-from rollout.rl.generator import RolloutBatch
+from rollout.rl.batch import RolloutBatch
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.rl.generator import RolloutSample
+from rollout.rl.batch import RolloutSample
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.sync import unwrap
 

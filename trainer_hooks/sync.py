@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 from transformers import TrainerCallback
 
-from rollout.rl.generator import RolloutBatch, RolloutGenerator
+from rollout.rl.batch import RolloutBatch
+from rollout.rl.generator import RolloutGenerator
 from trainer_hooks.metrics import log_to_wandb, rollout_metrics
 
 if TYPE_CHECKING:

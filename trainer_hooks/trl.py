@@ -34,7 +34,8 @@ from packaging.version import Version
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.openai_params import STRUCTURED_KWARGS, sampling_overrides
-from rollout.rl.generator import RolloutBatch, RolloutGenerator
+from rollout.rl.batch import RolloutBatch
+from rollout.rl.generator import RolloutGenerator
 from rollout.sampling_params import SamplingParams
 from trainer_hooks.conversation_kv import ConversationKV
 from trainer_hooks.metrics import rollout_metrics

@@ -41,7 +41,7 @@ from rollout.distributed.spec import ModelSpec
 from rollout.distributed.worker import CONCURRENCY_GROUPS, RolloutWorker
 from rollout.engine.stats import EngineStats
 from rollout.manager import ManagerError
-from rollout.rl.generator import Prompt, RolloutBatch, RolloutSample
+from rollout.rl.batch import Prompt, RolloutBatch, RolloutSample
 from rollout.rl.weights import check_on_update
 from rollout.sampling_params import SamplingParams
 

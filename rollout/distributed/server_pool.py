@@ -33,7 +33,7 @@ from rollout.distributed.balance import group_cost, spread
 from rollout.distributed.broadcast import rejection
 from rollout.distributed.metrics import batch_stats, pooled
 from rollout.engine.stats import EngineStats
-from rollout.rl.generator import RolloutBatch, RolloutSample
+from rollout.rl.batch import RolloutBatch, RolloutSample
 from rollout.rl.weights import WeightUpdateError, check_on_update
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed

@@ -21,7 +21,8 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.distributed.broadcast import ObjectStoreTransport, Packed, WeightTransport, collect_weights, pack, unpack
 from rollout.distributed.spec import ModelSpec
 from rollout.engine.stats import EngineStats
-from rollout.rl.generator import Prompt, RolloutGenerator, RolloutSample
+from rollout.rl.batch import Prompt, RolloutSample
+from rollout.rl.generator import RolloutGenerator
 from rollout.rl.weights import StagedPairs, WeightUpdateError, stage_update
 from rollout.sampling_params import SamplingParams
 

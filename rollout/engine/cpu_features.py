@@ -26,16 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from rollout.engine import mkl_packed
+from rollout.engine.cpu_kernel import kernel_build
+from rollout.engine.isa import ISA_FLAGS, KernelBuild, isa_flags
 
 logger = logging.getLogger(__name__)
 
-# The flags that matter to our fast paths (names as torch.cpu.get_capabilities spells them).
-ISA_FLAGS = ("sse4_2", "avx2", "fma3", "avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16",
-             "avx_ne_convert", "amx_tile", "amx_bf16", "neon", "sve")
-# /proc/cpuinfo spellings that differ from torch's
-_PROC_NAMES = {"fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
-               "avx512dq": "avx512_dq", "asimd": "neon"}
 PROBE_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows (packed_linear packs with it)
+PACK_BATCH_HINT = 256
 # The fused SiLU gate (packed_linear.run_silu_gate) is fp32 only: in bf16 eager rounds the gate to bf16 before the
 # SiLU and the fused post-op would not, so a bf16 model would sample from slightly different logits than eager.
 SILU_GATE_DTYPES = (torch.float32,)
@@ -61,22 +59,6 @@ ENV_UNPACKED_MAX_ROWS = "ROLLOUT_UNPACKED_MAX_ROWS"
 # still at 2-8 rows), the kernel is not used.
 SMALL_MATMUL_ROWS = (3, 8)
 SMALL_MATMUL_ISAS = ("avx512f",)
-
-
-@dataclass(frozen=True)
-class KernelBuild:
-    """How the C kernels (attention, linears of a few rows) were built and loaded here, or why they are not used."""
-
-    available: bool
-    march: str = ""
-    isa: str = ""  # widest vector ISA compiled in: avx512f, avx2, avx, sse4.2, sse2, neon or scalar
-    openmp: bool = False
-    reason: str = ""  # why it is unavailable (empty when available)
-
-    def describe(self) -> str:
-        if not self.available:
-            return f"unavailable ({self.reason})"
-        return f"-march={self.march} {self.isa}, {'OpenMP' if self.openmp else 'single-threaded (no OpenMP)'}"
 
 
 @dataclass(frozen=True)
@@ -158,23 +140,6 @@ def _packing_word(features: CpuFeatures, dtype: torch.dtype) -> str:
     return word
 
 
-@functools.lru_cache(maxsize=1)
-def isa_flags() -> frozenset[str]:
-    """The ISA_FLAGS of the CPU this process runs on (CPUID through torch; /proc/cpuinfo where torch lacks it)."""
-    try:
-        caps = torch.cpu.get_capabilities()
-        return frozenset(name for name in ISA_FLAGS if caps.get(name) is True)
-    except (AttributeError, RuntimeError):
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return frozenset()
-    names = {_PROC_NAMES.get(word, word) for word in line.partition(":")[2].split()}
-    return frozenset(name for name in ISA_FLAGS if name in names)
-
-
 def _cpu_name() -> str:
     try:
         return str(torch.cpu.get_capabilities().get("cpu_name", ""))
@@ -190,8 +155,6 @@ def _first_line(err: BaseException) -> str:
 def probe_packed_linear(dtype: torch.dtype) -> str:
     """Pack a small weight of `dtype` with oneDNN and run it; returns "" when the result equals F.linear exactly,
     else why not. Small integer values keep every product and sum exact, so any difference is a real fault."""
-    from rollout.engine.packed_linear import PACK_BATCH_HINT
-
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-2, 3, (8, 16), generator=g).to(dtype)
     x = torch.randint(-2, 3, (3, 16), generator=g).to(dtype)
@@ -208,8 +171,6 @@ def probe_packed_linear(dtype: torch.dtype) -> str:
 def probe_silu_gate(dtype: torch.dtype) -> str:
     """Run the fused SiLU gate (the gate's matmul with a SiLU post-op, the up projection's with a `mul` post-op) on
     small packed weights; returns "" when it matches silu(F.linear) * F.linear to fp32 rounding, else why not."""
-    from rollout.engine.packed_linear import PACK_BATCH_HINT
-
     g = torch.Generator().manual_seed(0)
     gate, up = (torch.randn(24, 16, generator=g).to(dtype) for _ in range(2))
     x = torch.randn(5, 16, generator=g).to(dtype)
@@ -269,7 +230,6 @@ def _onednn_bf16_device() -> bool | None:
 
 def detect() -> CpuFeatures:
     """Probe everything now (uncached): the packed linears per dtype and the attention kernel build."""
-    from rollout.engine.cpu_kernel import kernel_build
 
     onednn = torch.backends.mkldnn.is_available()
     errors = {_name(d): probe_packed_linear(d) if onednn else "torch built without oneDNN" for d in PROBE_DTYPES}

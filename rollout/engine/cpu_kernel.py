@@ -11,7 +11,7 @@ Portability: the library is built for `-march=native` by default; `ROLLOUT_KERNE
 build cache key. The C source has no intrinsics, so every target gets the same portable code, auto-vectorized for its
 ISA. After loading, the library reports what it was compiled for (rollout_kernel_features); if that needs a flag the
 running CPU lacks (say an AVX-512 build in a cache shared with an AVX2 machine), it is not used: it would die on
-SIGILL. CPU flags come from CPUID via cpu_features.isa_flags.
+SIGILL. CPU flags come from CPUID via isa.isa_flags.
 
 OpenMP: if the compiler or its OpenMP runtime cannot build with -fopenmp (e.g. clang without libomp), the kernel is
 built again without it and runs single-threaded, with the same results (its work split never changes the numbers);
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.engine.cpu_features import KernelBuild, cpu_features, isa_flags
+from rollout.engine.isa import KernelBuild, isa_flags
 
 logger = logging.getLogger(__name__)
 
@@ -219,11 +219,9 @@ def kernel_build() -> KernelBuild:
 
 
 def kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel can serve a cache of this device and dtype (it is built on the first call). The first
-    CPU engine also gets the one-line CPU summary logged here (cpu_features())."""
+    """Whether the kernel can serve a cache of this device and dtype (it is built on the first call)."""
     if device.type != "cpu":
         return False
-    cpu_features()
     return dtype in DTYPES and load_kernel() is not None
 
 

@@ -19,13 +19,15 @@ from rollout.engine.core_budget import CoreBudget
 from rollout.engine.kv_cache import KVShape, PagedKVCache
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.request import ErrorKind, Request, RequestOutput
-from rollout.engine.sampler import Sampler, SampleRow
+from rollout.engine.resolve import ResolvedSampling, resolve_sampling
+from rollout.engine.rows import SampleRow
+from rollout.engine.sampler import Sampler
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence_group import SequenceGroup, sequence_ids
 from rollout.engine.stats import EngineStats
 from rollout.engine.stopping import StopChecker
 from rollout.engine.structured_output import GrammarCompiler
-from rollout.sampling_params import ResolvedSampling, SamplingParams, resolve_sampling
+from rollout.sampling_params import SamplingParams
 from rollout.validation import InvalidRequestError, check_prompt
 
 logger = logging.getLogger(__name__)
@@ -216,8 +218,10 @@ class LLMEngine:
         self.counters["peak_used_blocks"] = max(self.counters["peak_used_blocks"], self.pool.num_used)
         try:
             logits = self.runner.run(plan)
+            prompt_records: list[prompt_logprobs.PromptLogprobs] = []
             if plan.prompt_rows:
-                logits = prompt_logprobs.record(plan, logits)
+                logits, prompt_records = prompt_logprobs.compute(plan.prompt_rows, plan.requests, logits,
+                                                                 len(plan.sample_rows))
         except Exception as err:  # a forward error fails this step's requests; the engine keeps serving
             logger.exception("model forward failed; failing the %d requests of this step", len(plan))
             self.counters["forward_errors"] += 1
@@ -229,7 +233,7 @@ class LLMEngine:
             logits = logits[torch.tensor(plan.logit_rows, dtype=torch.long)]
         sampled = self.sampler.sample(logits, [SampleRow(m.sampling, m.tokens, m.num_generated, m.grammar)
                                                for m in plan.sampled])
-        return self.scheduler.update(plan, sampled, self.weight_version)
+        return self.scheduler.update(plan, sampled, self.weight_version, prompt_records)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Fail every live request (hard stop): blocks are released, outputs carry `error`."""

@@ -21,14 +21,15 @@ from rollout.engine.attention import (
     engine_attention,
 )
 from rollout.engine.compiled_forward import MIN_DIM, CompiledForward, CompiledPath, pad_to
+from rollout.engine.cpu_features import cpu_features
 from rollout.engine.cpu_kernel import KernelBatch, kernel_usable
 from rollout.engine.flash_backend import build_flash_batch, flash_usable
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.packed_linear import PackedLinears, packing_available, require_packing
 from rollout.engine.packed_linear_op import active_linears
 from rollout.engine.request import Request
+from rollout.engine.resolve import resolve_sampling
 from rollout.engine.step import StepPlan
-from rollout.sampling_params import resolve_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class ModelRunner:
         self.device = cache.device
         self.page_size = cache.page_size
         self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
+        if cache.device.type == "cpu":
+            cpu_features()  # the one-line CPU summary, logged by the first CPU engine
         self.use_kernel = attention_kernel is not False and not self.use_flash \
             and kernel_usable(cache.device, cache.dtype)
         if attention_kernel and not self.use_kernel:

@@ -46,11 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from rollout.engine import cpu_kernel, mkl_packed, packed_layout
-from rollout.engine.cpu_features import SMALL_MATMUL_ROWS, cpu_features, unpacked_max_rows
+from rollout.engine.cpu_features import PACK_BATCH_HINT, SMALL_MATMUL_ROWS, cpu_features, unpacked_max_rows
 from rollout.engine.mkl_packed import MklPackedWeight
 from rollout.engine.silu_gate import is_silu_gated_mlp
 
-PACK_BATCH_HINT = 256  # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows
 # oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to a bucket (powers of
 # two up to ROW_BUCKET, then multiples of ROW_BUCKET up to PACK_BATCH_HINT, then of WIDE_ROW_BUCKET: 63 up to 2,048
 # rows) and inputs over PACKED_MAX_ROWS run as chunks, so a long run sees a bounded set of shapes. Multiples of 8

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
-from rollout.sampling_params import ResolvedSampling
+from rollout.engine.resolve import ResolvedSampling
 
 
 class RequestStatus(IntEnum):

@@ -15,50 +15,17 @@ Rows that ask for `logprobs=k` also get top-k alternatives and the raw logprob (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from rollout.engine.logits_processors import apply_processors
-from rollout.engine.structured_output import GrammarMasker, GrammarState
-from rollout.engine.top_logprobs import TokenAlternatives, token_alternatives
-from rollout.sampling_params import ResolvedSampling
+from rollout.engine.resolve import ResolvedSampling
+from rollout.engine.rows import SampleResult, SampleRow
+from rollout.engine.structured_output import GrammarMasker
+from rollout.engine.top_logprobs import token_alternatives
 from rollout.seeding import SeedStream, derive_seed
 
 _NEG_INF = float("-inf")
-
-
-@dataclass
-class SampleRow:
-    """What the sampler needs to know about one row: settings, history (prompt + generated, for penalties and
-    processors), its RNG key, and its grammar matcher if it has a structured output."""
-
-    sampling: ResolvedSampling
-    tokens: list[int]
-    num_generated: int
-    grammar: GrammarState | None = None
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[len(self.tokens) - self.num_generated:]
-
-    @property
-    def processed(self) -> bool:
-        """Whether this step runs any logits processor on the row (the min-new-tokens mask only while it lasts)."""
-        s = self.sampling
-        return (s.shapes_logits or self.grammar is not None
-                or (self.num_generated < s.min_new_tokens and bool(s.stop_ids)))
-
-
-@dataclass
-class SampleResult:
-    tokens: list[int]
-    logprobs: list[float]
-    policy_logprobs: list[float]
-    kept_logmass: list[float]
-    errors: dict[int, str] = field(default_factory=dict)  # rows whose request fails (their token is meaningless)
-    alternatives: dict[int, TokenAlternatives] = field(default_factory=dict)  # rows that asked for `logprobs`
 
 
 def keyed_uniforms(keys: list[int]) -> np.ndarray:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from rollout.engine.block_pool import BlockPool, hash_chain
 from rollout.engine.kept_kv import KeptSequences
+from rollout.engine.prompt_logprobs import PromptLogprobs
 from rollout.engine.request import ErrorKind, Request, RequestOutput, RequestStatus
-from rollout.engine.sampler import SampleResult
+from rollout.engine.rows import SampleResult
 from rollout.engine.sequence_group import SequenceGroup
 from rollout.engine.step import StepPlan
 from rollout.engine.stopping import StopChecker
@@ -266,10 +267,14 @@ class Scheduler:
         self._fail_with_forks(request, error, ErrorKind.CAPACITY)
 
     # ---------------------------------------------------------------- lifecycle
-    def update(self, plan: StepPlan, sampled: SampleResult, weight_version: int) -> list[RequestOutput]:
-        """Take a finished forward back: count the computed tokens, append each sampled token with its logprobs,
-        fork groups off their prefill, stop what is done. Returns the outputs of this step (finished requests and
-        streaming partials, plus anything that failed or was cancelled since the last update)."""
+    def update(self, plan: StepPlan, sampled: SampleResult, weight_version: int,
+               prompt_records: Sequence[PromptLogprobs] = ()) -> list[RequestOutput]:
+        """Take a finished forward back: count the computed tokens, record the prompt logprobs it gave, append each
+        sampled token with its logprobs, fork groups off their prefill, stop what is done. The one writer of every
+        per-token record. Returns the outputs of this step (finished requests and streaming partials, plus anything
+        that failed or was cancelled since the last update)."""
+        for record in prompt_records:
+            _record_prompt_logprobs(plan.requests[record.entry], record)
         for req, num in zip(plan.requests, plan.query_lens):
             req.num_computed += num
             self.counters["decode_tokens" if num == 1 and req.num_generated else "prefill_tokens"] += num
@@ -285,7 +290,11 @@ class Scheduler:
             req.kept_logmass.append(sampled.kept_logmass[i])
             req.weight_versions.append(weight_version)
             if i in sampled.alternatives:
-                sampled.alternatives[i].append_to(req)
+                alternatives = sampled.alternatives[i]
+                req.raw_logprobs.append(alternatives.raw_logprob)
+                req.top_logprobs.append(alternatives.top)
+                req.policy_top_logprobs.append(alternatives.policy_top)
+                req.raw_top_logprobs.append(alternatives.raw_top)
             req.status = RequestStatus.DECODING
         self.counters["generated_tokens"] += len(plan.sampled) - len(failed)
         for entry in plan.prefilled:  # max_new_tokens=0: done once the prompt is in, with its group
@@ -534,3 +543,12 @@ class Scheduler:
         assert self._leader_of == {f: lead for lead, forks in self._forks.items() for f in forks}, "fork index stale"
         self.pool.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting]
                                    + self.kept.block_tables())
+
+
+def _record_prompt_logprobs(request: Request, record: PromptLogprobs) -> None:
+    if len(request.prompt_logprobs) != record.first + 1:  # kept contiguous by the scheduling; never write a gap
+        raise RuntimeError(f"{request.request_id}: prompt logprobs recorded up to {len(request.prompt_logprobs)}, "
+                           f"but this step computed them from position {record.first + 1}")
+    request.prompt_logprobs.extend(record.logprobs)
+    if record.top is not None:
+        request.prompt_top_logprobs.extend(record.top)

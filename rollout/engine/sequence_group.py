@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rollout.engine.request import Request
-from rollout.sampling_params import ResolvedSampling
+from rollout.engine.resolve import ResolvedSampling
 from rollout.seeding import SeedStream, derive_seed
 
 GROUP_SEPARATOR = "#"

@@ -14,30 +14,10 @@ greedy row's sampled distribution is a point mass on its token, so its alternati
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from rollout.engine.request import Request
-    from rollout.engine.sampler import SampleRow
-
-
-@dataclass
-class TokenAlternatives:
-    """What one sampled token adds for a row that asked for `logprobs`."""
-
-    raw_logprob: float
-    top: dict[int, float]  # under the sampled distribution (the one `logprobs` describes)
-    policy_top: dict[int, float]
-    raw_top: dict[int, float]
-
-    def append_to(self, request: Request) -> None:
-        request.raw_logprobs.append(self.raw_logprob)
-        request.top_logprobs.append(self.top)
-        request.policy_top_logprobs.append(self.policy_top)
-        request.raw_top_logprobs.append(self.raw_top)
+from rollout.engine.rows import SampleRow, TokenAlternatives
 
 
 def top_dicts(values: torch.Tensor, ids: torch.Tensor, counts: Sequence[int] | None = None) -> list[dict[int, float]]:

@@ -16,8 +16,6 @@ import random
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,90 +24,20 @@ from transformers import GenerationConfig, PreTrainedModel
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.request import RequestStatus
 from rollout.engine.sequence_group import sequence_ids
-from rollout.manager import ContinuousBatchingManager, ManagerError
+from rollout.manager import ContinuousBatchingManager
 from rollout.rl import scoring
+from rollout.rl.agents.env_calls import EnvCalls
+from rollout.rl.agents.episode import EpisodeBatch
+from rollout.rl.agents.runner import EpisodeRunner, check_episode_settings
+from rollout.rl.batch import Prompt, RolloutBatch, RolloutSample
+from rollout.rl.calls import MAX_LISTED_PROBLEMS, EngineCalls, list_problems
 from rollout.rl.scoring import ScoreBatch
 from rollout.rl.weights import StagedPairs, WeightUpdateError, apply_staged, check_on_update, stage_update
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed
 
-if TYPE_CHECKING:
-    from rollout.rl.agents.episode import EpisodeBatch
-
 logger = logging.getLogger(__name__)
 
-Prompt = Sequence[int] | str | list[dict]
-_MAX_LISTED_PROBLEMS = 5  # bad prompts named one by one in a rejection message; the rest are counted
-
-
-@dataclass
-class RolloutSample:
-    """One completion, with everything a policy-gradient trainer needs per token."""
-
-    prompt_index: int
-    prompt_ids: list[int]
-    completion_ids: list[int]  # the stop token (eos / stop id) included when generation stopped on it
-    logprobs: list[float]  # under the distribution actually sampled from (after processors and truncation)
-    policy_logprobs: list[float]  # fp32 log_softmax(logits / T) over the full vocabulary
-    kept_logmass: list[float]  # log of the mass masks and truncation kept: logprobs = policy_logprobs - kept_logmass
-    weight_versions: list[int]  # weight version that produced each token
-    finish_reason: str
-    text: str | None = None
-    sequence_id: str | None = None  # the engine sequence: what `continues` names when its KV was kept (keep_kv)
-
-
-@dataclass
-class RolloutBatch:
-    """Samples in prompt-major order: the n samples of prompt 0, then those of prompt 1, ..."""
-
-    samples: list[RolloutSample]
-    group_sizes: list[int]
-    stats: dict = field(default_factory=dict)  # this call's EngineStats window (as_dict) + seconds, tokens_per_second
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    @property
-    def n(self) -> int:
-        """Samples per prompt (0 if groups differ in size)."""
-        sizes = set(self.group_sizes)
-        return sizes.pop() if len(sizes) == 1 else 0
-
-    def group(self, prompt_index: int) -> list[RolloutSample]:
-        start = sum(self.group_sizes[:prompt_index])
-        return self.samples[start:start + self.group_sizes[prompt_index]]
-
-    def to_tensors(self, pad_token_id: int = 0, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """Padded tensors for a trainer: prompts left-padded, completions right-padded, with masks.
-
-        Keys: prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs, policy_logprobs, kept_logmass,
-        weight_versions (padded positions hold 0 and are masked out).
-        """
-        b = len(self.samples)
-        lp = max(len(s.prompt_ids) for s in self.samples)
-        lc = max(1, max(len(s.completion_ids) for s in self.samples))
-        out = {
-            "prompt_ids": torch.full((b, lp), pad_token_id, dtype=torch.long),
-            "prompt_mask": torch.zeros(b, lp, dtype=torch.long),
-            "completion_ids": torch.full((b, lc), pad_token_id, dtype=torch.long),
-            "completion_mask": torch.zeros(b, lc, dtype=torch.long),
-            "logprobs": torch.zeros(b, lc),
-            "policy_logprobs": torch.zeros(b, lc),
-            "kept_logmass": torch.zeros(b, lc),
-            "weight_versions": torch.zeros(b, lc, dtype=torch.long),
-        }
-        for i, s in enumerate(self.samples):
-            p, c = len(s.prompt_ids), len(s.completion_ids)
-            out["prompt_ids"][i, lp - p:] = torch.tensor(s.prompt_ids)
-            out["prompt_mask"][i, lp - p:] = 1
-            if c:
-                out["completion_ids"][i, :c] = torch.tensor(s.completion_ids)
-                out["completion_mask"][i, :c] = 1
-                out["logprobs"][i, :c] = torch.tensor(s.logprobs)
-                out["policy_logprobs"][i, :c] = torch.tensor(s.policy_logprobs)
-                out["kept_logmass"][i, :c] = torch.tensor(s.kept_logmass)
-                out["weight_versions"][i, :c] = torch.tensor(s.weight_versions)
-        return {k: v.to(device) for k, v in out.items()} if device is not None else out
 
 
 def generation_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
@@ -145,18 +73,25 @@ class RolloutGenerator:
                              "copy: pass share_weights=False")
         self.share_weights = share_weights
         self.model = model if share_weights else generation_copy(model, dtype)
-        self.tokenizer = tokenizer
         config = dataclasses.replace(continuous_batching_config or ContinuousBatchingConfig(), return_logprobs=True)
         gen_config = generation_config or getattr(model, "generation_config", None)
         self.manager = ContinuousBatchingManager(self.model, gen_config, config, tokenizer=tokenizer)
+        self.calls = EngineCalls(self.manager, tokenizer)  # what generate, run_episodes and score share
         self._rng = random.Random(seed if seed is not None else config.seed)
-        self._calls = 0
         self.last_update_seconds = 0.0
         # A generator dropped (or still open at interpreter exit) without close(): hard-stop its loop so the thread
         # ends and the manager, KV cache included, can be freed. Holds the manager, never the generator.
         self._finalizer = weakref.finalize(self, _hard_stop, self.manager)
 
     # ------------------------------------------------------------------ status
+    @property
+    def tokenizer(self):
+        return self.calls.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.calls.tokenizer = tokenizer
+
     @property
     def weight_version(self) -> int:
         return self.manager.engine.weight_version
@@ -181,32 +116,7 @@ class RolloutGenerator:
 
         Raises ValueError if the prompt cannot be served (empty, ids outside the vocabulary, too long for the model).
         """
-        return self._engine().validate_prompt(self._token_ids(prompt))
-
-    def _token_ids(self, prompt: Prompt):
-        """Text and chat prompts tokenized; id prompts passed through as given (validated by the engine's rule)."""
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
-            if self.tokenizer is None:
-                raise ValueError("text and chat prompts need a tokenizer: RolloutGenerator(model, tokenizer=...)")
-            if isinstance(prompt, str):
-                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if isinstance(prompt, torch.Tensor):
-            return prompt.flatten().tolist()
-        if hasattr(prompt, "tolist"):  # numpy arrays and scalars: plain Python ints
-            prompt = prompt.tolist()
-        try:
-            return list(prompt)
-        except TypeError:
-            raise ValueError(f"a prompt must be token ids, a string or a list of chat messages, got "
-                             f"{type(prompt).__name__}") from None
-
-    def _engine(self):
-        engine = self.manager.engine
-        if engine is None:
-            raise ManagerError("this RolloutGenerator was closed; create a new one")
-        return engine
+        return self.calls.prompt_ids(prompt)
 
     def _group_sizes(self, n: int | Sequence[int], count: int) -> list[int]:
         """One group size per prompt, each an int >= 1; ValueError naming the bad value and its prompt otherwise."""
@@ -237,23 +147,16 @@ class RolloutGenerator:
             sizes = self._group_sizes(n, len(prompts))
         except ValueError as err:
             raise ValueError(f"{err}; nothing was submitted") from None
-        engine = self._engine()
-        try:
-            engine.validate_sampling(params)
-        except ValueError as err:
-            raise ValueError(f"sampling_params rejected, nothing was submitted: {err}") from err
+        self.calls.check_sampling(params, "sampling_params")
         prepared, problems = [], []
         for j, prompt in enumerate(prompts):
             try:
-                prepared.append((j, engine.validate_prompt(self._token_ids(prompt)), sizes[j]))
+                prepared.append((j, self.calls.prompt_ids(prompt), sizes[j]))
             except (ValueError, TypeError) as err:
                 problems.append(f"prompt {j}: {err}")
         if problems:
-            listed = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
-            more = len(problems) - _MAX_LISTED_PROBLEMS
-            tail = f"; and {more} more" if more > 0 else ""
             raise ValueError(f"{len(problems)} of {len(prompts)} prompts cannot be served, so nothing was submitted "
-                             f"(fix or drop them and call again): {listed}{tail}")
+                             f"(fix or drop them and call again): {list_problems(problems)}")
         return prepared
 
     def submit(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
@@ -272,36 +175,23 @@ class RolloutGenerator:
                              "id (or None) per prompt. Nothing was submitted")
         prepared = self._prepare(prompts, n, params)
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        self._calls += 1
-        if not self.manager.is_running():
-            self.manager.start()
+        call = self.calls.begin("rollout")
         groups = []
         try:
             for j, ids, size in prepared:
                 seed = derive_seed(base, j, SeedStream.PROMPT)
-                rid = f"rollout{self._calls}-{j}"
-                sampling = params.with_overrides(n=size, seed=seed)
-                if self.manager.add_request(ids, request_id=rid, sampling_params=sampling, keep_kv=keep_kv,
-                                            continues=continues[j] if continues else None) is None:
-                    raise ManagerError("the generator's manager is stopped and dropped the request; call "
-                                       "generator.manager.start() or create a new RolloutGenerator")
+                rid = f"{call}-{j}"
+                self.calls.submit(ids, rid, params.with_overrides(n=size, seed=seed), keep_kv=keep_kv,
+                                  continues=continues[j] if continues else None)
                 groups.append((j, ids, sequence_ids(rid, size)))
         except BaseException:
-            self._abandon([rid for _, _, seq_ids in groups for rid in seq_ids])
+            self.calls.abandon([rid for _, _, seq_ids in groups for rid in seq_ids])
             raise
         return groups
 
     def release_kv(self, sequence_ids_: Sequence[str]) -> int:
         """Free the KV that `keep_kv` sequences still hold; returns how many held some."""
         return sum(self.manager.release_kv(rid) for rid in sequence_ids_)
-
-    def _abandon(self, sequence_ids_: Sequence[str]) -> None:
-        """Cancel sequences nobody will collect (their call failed) and drop their results, so nothing is left
-        running or holding KV blocks."""
-        for rid in sequence_ids_:
-            with contextlib.suppress(KeyError, ManagerError):
-                self.manager.cancel_request(rid)
-                self.manager.get_result(rid, timeout=0)
 
     def generate(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
                  sampling_params: SamplingParams | None = None, keep_kv: bool = False,
@@ -312,9 +202,7 @@ class RolloutGenerator:
         if a sample failed while running (e.g. it outgrew the KV cache). If the call is interrupted, what it
         submitted is cancelled. `keep_kv` and `continues` carry conversations' KV across calls (see `submit`).
         """
-        start = time.perf_counter()
-        self._engine().reset_peak()
-        before = self.manager.stats()
+        window = self.calls.window_start()
         samples, errors = [], []
         # This thread waits for the results anyway, so it steps the engine itself (see stepping_in_caller).
         with self.manager.stepping_in_caller():
@@ -334,15 +222,13 @@ class RolloutGenerator:
                         text=self.tokenizer.decode(out.generated_tokens, skip_special_tokens=True)
                         if self.tokenizer is not None else None, sequence_id=rid))
             except BaseException:
-                self._abandon([rid for _, _, rid in order[collected:]])
+                self.calls.abandon([rid for _, _, rid in order[collected:]])
                 raise
         if errors:
             raise ValueError(f"{len(errors)} rollout sample(s) failed; first error: {errors[0]}")
-        after = self.manager.stats()
-        elapsed = time.perf_counter() - start
-        stats = after.since(before).as_dict()  # this call's work; peak usage is over the call (reset above)
-        stats.update(seconds=elapsed, tokens_per_second=stats["generated_tokens"] / max(elapsed, 1e-9))
-        return RolloutBatch(samples=samples, group_sizes=[len(g[2]) for g in groups], stats=stats)
+        # this call's work; peak usage is over the call (reset at its start)
+        return RolloutBatch(samples=samples, group_sizes=[len(g[2]) for g in groups],
+                            stats=self.calls.window_stats(window))
 
     # ---------------------------------------------------------------- episodes
     def run_episodes(self, prompts: Sequence[Prompt], env, n: int | Sequence[int] = 1,
@@ -358,37 +244,26 @@ class RolloutGenerator:
         to `env_workers` threads for sync methods; an environment error or timeout ends that episode alone
         (finish_reason "error"). Raises ValueError before anything runs if a prompt or setting is bad.
         """
-        from rollout.rl.agents.env_calls import EnvCalls
-        from rollout.rl.agents.episode import EpisodeBatch
-        from rollout.rl.agents.runner import EpisodeRunner, check_episode_settings
-
-        start = time.perf_counter()
         params = sampling_params or SamplingParams()
-        engine = self._engine()
+        engine = self.calls.engine()
         max_length = check_episode_settings(env, max_turns, max_length, engine.max_positions)
         prepared = self._prepare(prompts, n, params)
         too_long = [j for j, ids, _ in prepared if max_length is not None and len(ids) >= max_length]
         if too_long:
-            raise ValueError(f"prompts {too_long[:_MAX_LISTED_PROBLEMS]} leave no room for a model turn under "
+            raise ValueError(f"prompts {too_long[:MAX_LISTED_PROBLEMS]} leave no room for a model turn under "
                              f"max_length={max_length}; shorten them or raise max_length. Nothing was submitted")
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        self._calls += 1
-        if not self.manager.is_running():
-            self.manager.start()
-        engine.reset_peak()
-        before = self.manager.stats()
-        calls = EnvCalls(env_workers, env_timeout)
+        call = self.calls.begin("episodes")
+        window = self.calls.window_start()
+        env_calls = EnvCalls(env_workers, env_timeout)
         try:
-            runner = EpisodeRunner(self.manager, self.tokenizer, env, params,
-                                   engine.validate_sampling(params).max_new_tokens, max_turns, max_length, calls,
-                                   f"episodes{self._calls}", chat_template_kwargs)
+            runner = EpisodeRunner(self.calls, env, params, engine.validate_sampling(params).max_new_tokens,
+                                   max_turns, max_length, env_calls, call, chat_template_kwargs)
             episodes = runner.run(prepared, base)
         finally:
-            calls.close()
-        elapsed = time.perf_counter() - start
-        stats = self.manager.stats().since(before).as_dict()
-        stats.update(seconds=elapsed, tokens_per_second=stats["generated_tokens"] / max(elapsed, 1e-9),
-                     env_seconds=runner.env_seconds, turns=sum(len(e.turns) for e in episodes),
+            env_calls.close()
+        stats = self.calls.window_stats(window)
+        stats.update(env_seconds=runner.env_seconds, turns=sum(len(e.turns) for e in episodes),
                      model_tokens=sum(map(sum, (e.completion_mask for e in episodes))),
                      env_tokens=sum(len(e.completion_ids) - sum(e.completion_mask) for e in episodes))
         return EpisodeBatch(episodes, [size for _, _, size in prepared], stats)
@@ -404,7 +279,7 @@ class RolloutGenerator:
         log_softmax(logits / temperature) of completion token t; `top_logprobs=k` adds the k most likely tokens at
         each position. Raises ValueError before submitting anything if a pair is bad (see rollout.rl.scoring).
         """
-        return scoring.score(self, prompts, completions, temperature, top_logprobs)
+        return scoring.score(self.calls, prompts, completions, temperature, top_logprobs)
 
     # ----------------------------------------------------------------- weights
     def update_weights(self, source, on_update: str = "keep") -> int:
@@ -438,7 +313,7 @@ class RolloutGenerator:
         with self.manager.pause():
             if staged is not None:
                 apply_staged(staged)
-            engine = self._engine()
+            engine = self.calls.engine()
             engine.set_weight_version(engine.weight_version + 1, recompute=on_update == "recompute")
             return engine.weight_version
 
@@ -450,4 +325,5 @@ def _hard_stop(manager: ContinuousBatchingManager) -> None:
                                                    "interpreter is exiting; call close() to finish requests first")
 
 
-__all__ = ["RolloutBatch", "RolloutGenerator", "RolloutSample", "WeightUpdateError", "generation_copy"]
+__all__ = ["RolloutBatch", "RolloutGenerator", "RolloutSample", "WeightUpdateError", "generation_copy"]  # batch's
+# data types too, where they were first defined

@@ -11,20 +11,14 @@ completion token t given the prompt and completion tokens before it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.engine.request import RequestOutput, RequestStatus
+from rollout.rl.calls import EngineCalls, list_problems
 from rollout.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from rollout.rl.generator import RolloutGenerator
-
-_MAX_LISTED_PROBLEMS = 5
 
 
 @dataclass
@@ -90,70 +84,60 @@ def pair_up(prompts: Sequence, completions: Sequence) -> None:
                          "prompt (repeat a prompt to score several completions of it: its KV is computed once)")
 
 
-def _completion_ids(generator: RolloutGenerator, completion) -> list[int]:
+def _completion_ids(calls: EngineCalls, completion) -> list[int]:
     """A completion as token ids: ids pass through, text is tokenized without special tokens."""
     if isinstance(completion, str):
-        if generator.tokenizer is None:
+        if calls.tokenizer is None:
             raise ValueError("text completions need a tokenizer: RolloutGenerator(model, tokenizer=...)")
-        return list(generator.tokenizer(completion, add_special_tokens=False)["input_ids"])
+        return list(calls.tokenizer(completion, add_special_tokens=False)["input_ids"])
     if hasattr(completion, "tolist"):
         completion = completion.tolist()
     return list(completion)
 
 
-def prepare(generator: RolloutGenerator, prompts: Sequence, completions: Sequence, temperature: float,
+def prepare(calls: EngineCalls, prompts: Sequence, completions: Sequence, temperature: float,
             top_logprobs: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) per pair, every one checked by the engine's rules before anything is queued;
     ValueError listing the bad pairs otherwise."""
     pair_up(prompts, completions)
-    engine = generator._engine()
-    try:
-        engine.validate_sampling(score_params(1, temperature, top_logprobs))
-    except ValueError as err:
-        raise ValueError(f"scoring settings rejected, nothing was submitted: {err}") from err
+    calls.check_sampling(score_params(1, temperature, top_logprobs), "scoring settings")
+    engine = calls.engine()
     pairs, problems = [], []
     for j, (prompt, completion) in enumerate(zip(prompts, completions)):
         try:
-            prompt_ids = engine.validate_prompt(generator._token_ids(prompt))
-            completion_ids = _completion_ids(generator, completion)
+            prompt_ids = calls.prompt_ids(prompt)
+            completion_ids = _completion_ids(calls, completion)
             engine.validate_prompt(prompt_ids + completion_ids, prefill_only=True)
             pairs.append((prompt_ids, completion_ids))
         except (ValueError, TypeError) as err:
             problems.append(f"pair {j}: {err}")
     if problems:
-        more = len(problems) - _MAX_LISTED_PROBLEMS
         raise ValueError(f"{len(problems)} of {len(prompts)} (prompt, completion) pairs cannot be scored, so nothing "
-                         f"was submitted: {'; '.join(problems[:_MAX_LISTED_PROBLEMS])}"
-                         + (f"; and {more} more" if more > 0 else ""))
+                         f"was submitted: {list_problems(problems)}")
     return pairs
 
 
-def score(generator: RolloutGenerator, prompts: Sequence, completions: Sequence, temperature: float = 1.0,
+def score(calls: EngineCalls, prompts: Sequence, completions: Sequence, temperature: float = 1.0,
           top_logprobs: int = 0) -> ScoreBatch:
     """RolloutGenerator.score: one prefill-only request per pair with a completion, stepped in this thread."""
-    start = time.perf_counter()
-    pairs = prepare(generator, prompts, completions, temperature, top_logprobs)
-    manager = generator.manager
-    generator._calls += 1
-    ids = {j: f"score{generator._calls}-{j}" for j, (_, completion) in enumerate(pairs) if completion}
-    version = generator.weight_version
-    if not manager.is_running():
-        manager.start()
-    before = manager.stats()
+    window = calls.window_start(reset_peak=False)
+    pairs = prepare(calls, prompts, completions, temperature, top_logprobs)
+    manager = calls.manager
+    version = calls.engine().weight_version
+    call = calls.begin("score")
+    ids = {j: f"{call}-{j}" for j, (_, completion) in enumerate(pairs) if completion}
     outputs: dict[int, RequestOutput] = {}
     with manager.stepping_in_caller():
         try:
             # Pairs sharing a prompt go in one after another, so the first one's prompt blocks serve the rest.
             for j in sorted(ids, key=lambda j: pairs[j][0] + pairs[j][1]):
                 prompt_ids, completion_ids = pairs[j]
-                params = score_params(len(prompt_ids), temperature, top_logprobs)
-                if manager.add_request(prompt_ids + completion_ids, request_id=ids[j], sampling_params=params) is None:
-                    raise RuntimeError("the generator's manager is stopped and dropped the request; call "
-                                       "generator.manager.start() or create a new RolloutGenerator")
+                calls.submit(prompt_ids + completion_ids, ids[j], score_params(len(prompt_ids), temperature,
+                                                                               top_logprobs))
             for j, rid in ids.items():
                 outputs[j] = manager.get_result(rid)
         except BaseException:
-            generator._abandon([rid for j, rid in ids.items() if j not in outputs])
+            calls.abandon([rid for j, rid in ids.items() if j not in outputs])
             raise
     errors = [f"pair {j}: {out.error}" for j, out in outputs.items() if out.status != RequestStatus.FINISHED]
     if errors:
@@ -164,8 +148,8 @@ def score(generator: RolloutGenerator, prompts: Sequence, completions: Sequence,
         if j not in outputs and top_logprobs:
             top = []
         samples.append(ScoredSample(j, prompt_ids, completion_ids, logprobs, top))
-    stats = manager.stats().since(before).as_dict()
-    stats.update(seconds=time.perf_counter() - start, scored_tokens=sum(len(c) for _, c in pairs))
+    stats = calls.window_stats(window)
+    stats.update(scored_tokens=sum(len(c) for _, c in pairs))
     return ScoreBatch(samples, version, stats)
 
 

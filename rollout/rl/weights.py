@@ -66,6 +66,31 @@ def iter_named_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
                                 "dict or an iterable of (name, tensor) pairs")
 
 
+def cpu_tensors(source, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """An update's (name, tensor) pairs as CPU tensors that own exactly their bytes, floating ones cast to `dtype`.
+
+    `source` is what `update_weights` takes. A module's or a mapping's tensors live through the whole call, so tied
+    weights (one storage) are given once. A stream may free or overwrite a tensor once the next one is asked for
+    (ZeRO-3 gathers), so each of its tensors is copied and none is skipped: a freed tensor's address can come back
+    for the next one, so addresses say nothing about ties there.
+    """
+    persistent = isinstance(source, (nn.Module, Mapping))
+    seen: set[tuple] = set()
+    for name, tensor in iter_named_tensors(source):
+        tensor = tensor.detach()
+        if persistent:
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                   tuple(tensor.stride()), tensor.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+        out = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        out = out.to("cpu").contiguous()
+        if (not persistent and out.data_ptr() == tensor.data_ptr()) or out.untyped_storage().nbytes() != out.nbytes:
+            out = out.clone()
+        yield name, out
+
+
 def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every name a checkpoint may use for the model's parameters and persistent buffers (tied names included)."""
     targets = dict(model.named_parameters(remove_duplicate=False))

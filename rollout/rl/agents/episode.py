@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rollout.rl.generator import RolloutBatch, RolloutSample
+from rollout.rl.batch import RolloutBatch, RolloutSample
 
 FINISH_REASONS = ("done", "max_turns", "length", "error")
 

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 from rollout.engine.request import RequestOutput, RequestStatus
 from rollout.engine.sequence_group import sequence_ids
-from rollout.manager import ContinuousBatchingManager, ManagerError
+from rollout.manager import ManagerError
 from rollout.rl.agents.chat_turns import ChatTurns
 from rollout.rl.agents.env_calls import EnvCalls, EnvTimeout
 from rollout.rl.agents.environment import EnvResponse, EpisodeInfo, ModelTurn
 from rollout.rl.agents.episode import Episode, TurnSpan
+from rollout.rl.calls import EngineCalls
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed
 from rollout.validation import check_prompt
@@ -66,11 +67,12 @@ class _Live:
 class EpisodeRunner:
     """Plays one call's episodes to the end; see the module docstring."""
 
-    def __init__(self, manager: ContinuousBatchingManager, tokenizer, env, params: SamplingParams, turn_tokens: int,
-                 max_turns: int, max_length: int | None, env_calls: EnvCalls, tag: str,
-                 chat_template_kwargs: dict | None = None) -> None:
-        self.manager = manager
-        self.tokenizer = tokenizer
+    def __init__(self, engine_calls: EngineCalls, env, params: SamplingParams, turn_tokens: int, max_turns: int,
+                 max_length: int | None, env_calls: EnvCalls, tag: str, chat_template_kwargs: dict | None = None
+                 ) -> None:
+        self.engine_calls = engine_calls
+        self.manager = engine_calls.manager
+        self.tokenizer = engine_calls.tokenizer
         self.env = env
         self.params = params
         self.turn_tokens = turn_tokens  # max new tokens of one model turn
@@ -79,7 +81,7 @@ class EpisodeRunner:
         self.calls = env_calls
         self.tag = tag
         self.chat_template_kwargs = chat_template_kwargs
-        self.vocab_size = manager.engine.vocab_size
+        self.vocab_size = engine_calls.engine().vocab_size
         self._chat: ChatTurns | None = None
         self._events: collections.deque = collections.deque()
         self._by_sequence: dict[str, _Live] = {}
@@ -122,10 +124,7 @@ class EpisodeRunner:
                                                                  max_new_tokens=self._turn_budget(len(ids))))
 
     def _submit(self, request_id: str, ids: list[int], params: SamplingParams, continues: str | None = None) -> None:
-        if self.manager.add_request(ids, request_id=request_id, sampling_params=params, on_output=self._on_output,
-                                    keep_kv=True, continues=continues) is None:
-            raise ManagerError("the generator's manager is stopped and dropped an episode's turn; call "
-                               "generator.manager.start() or create a new RolloutGenerator")
+        self.engine_calls.submit(ids, request_id, params, on_output=self._on_output, keep_kv=True, continues=continues)
 
     def _turn_budget(self, length: int) -> int:
         return self.turn_tokens if self.max_length is None else min(self.turn_tokens, self.max_length - length)
