@@ -1,6 +1,6 @@
 """The C paged-attention kernel against an earlier version of itself, on step-shaped batches, in one process.
 
-Both libraries are built from source (this checkout's `rollout/engine/csrc/paged_attention.c`, and the same file at
+Both libraries are built from source (this checkout's `rollout/engine/cpu/csrc/paged_attention.c`, and the same file at
 a git revision or a path) and called alternately on the same tensors; the table gives the best of `--rounds` per
 batch. W1's attention shapes: 8 query heads, 4 kv heads, head_dim 64, pages of 32. "forks" are decode tokens of
 samples forked from one prompt: they share the prompt's full pages and have pages of their own.
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from benchmarks.common import REPO_ROOT, build_model, environment, format_table, log, seconds_per_call
-from rollout.engine import cpu_kernel
-from rollout.engine.cpu_kernel import KernelBatch, paged_attention
+from rollout.engine.cpu import kernel as cpu_kernel
+from rollout.engine.cpu.kernel import KernelBatch, paged_attention
 
 PAGE = 32
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
@@ -47,7 +47,7 @@ def baseline_source(spec: str, folder: Path) -> Path:
     """A path to the kernel source: `spec` itself if it is a file, else the file at git revision `spec`."""
     if Path(spec).is_file():
         return Path(spec)
-    text = subprocess.run(["git", "show", f"{spec}:rollout/engine/csrc/paged_attention.c"], cwd=REPO_ROOT,
+    text = subprocess.run(["git", "show", f"{spec}:rollout/engine/cpu/csrc/paged_attention.c"], cwd=REPO_ROOT,
                           capture_output=True, text=True, check=True).stdout
     path = folder / "baseline_paged_attention.c"
     path.write_text(text)

@@ -389,12 +389,12 @@ class PhaseTimers:
 
         from transformers import AttentionInterface
 
-        from rollout.engine import attention as attn_mod
         from rollout.engine import engine as engine_mod
-        from rollout.engine import kv_cache as kv_mod
-        from rollout.engine import model_runner as runner_mod
-        from rollout.engine import sampler as sampler_mod
-        from rollout.engine import scheduler as sched_mod
+        from rollout.engine.core import scheduler as sched_mod
+        from rollout.engine.sample import sampler as sampler_mod
+        from rollout.engine.worker import attention as attn_mod
+        from rollout.engine.worker import kv_cache as kv_mod
+        from rollout.engine.worker import model_runner as runner_mod
 
         timers = self
         timed_schedule = self._timed("schedule", sched_mod.Scheduler.schedule)

@@ -110,9 +110,9 @@ def _compare(name: str, ms: dict[int, float], levels: list[int]) -> list:
 
 def _plan(rows: int, context: int, chunk: int, page: int, first_block: int):
     """A StepPlan of `rows` requests at `context` tokens each running their last `chunk` tokens."""
-    from rollout.engine.request import Request
-    from rollout.engine.resolve import resolve_sampling
-    from rollout.engine.step import StepPlan
+    from rollout.engine.core.request import Request
+    from rollout.engine.core.step import StepPlan
+    from rollout.engine.sample.resolve import resolve_sampling
 
     plan, block = StepPlan(), first_block
     for r in range(rows):

@@ -11,9 +11,9 @@
 #                 (qemu-user does not emulate child processes), so -march=native would target the host CPU; the
 #                 engine refuses such a library (it checks the ISA against CPUID) and uses the PyTorch path.
 #   -t TIMEOUT_S  wall-clock limit for the pytest run (default 1800).
-#   PYTEST_ARGS   default: tests/test_packed_linear.py tests/test_cpu_features.py
+#   PYTEST_ARGS   default: tests/engine/cpu/test_packed_linear.py tests/engine/cpu/test_cpu_features.py
 #
-# Example:  benchmarks/emulated_cpu_check.sh -c EPYC-Rome tests/test_rollout_generator.py::test_bf16_copy_generates
+# Example:  benchmarks/emulated_cpu_check.sh -c EPYC-Rome tests/rl/test_rollout_generator.py::test_bf16_copy_generates
 #
 # Needs qemu-user (Debian/Ubuntu: apt-get install qemu-user; qemu >= 7.2 for AVX2 emulation) and the project's
 # virtualenv at .venv (or PYTHON=/path/to/python). Slow: importing torch takes ~7 s, a test module about a minute.
@@ -36,7 +36,7 @@ while getopts "c:m:t:h" opt; do
     esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || set -- tests/test_packed_linear.py tests/test_cpu_features.py
+[ $# -gt 0 ] || set -- tests/engine/cpu/test_packed_linear.py tests/engine/cpu/test_cpu_features.py
 
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
@@ -66,7 +66,7 @@ trap 'rm -rf "$cache"' EXIT
 export ROLLOUT_KERNEL_CACHE=$cache TORCHINDUCTOR_CACHE_DIR=$cache/inductor ROLLOUT_KERNEL_MARCH=$march \
     TORCHINDUCTOR_CPP_MARCH=$march \
     WANDB_MODE=offline HF_HUB_OFFLINE=1
-emulated -c "from rollout.engine.cpu_features import cpu_features; print(cpu_features().describe())" >&2
+emulated -c "from rollout.engine.cpu.features import cpu_features; print(cpu_features().describe())" >&2
 start=$SECONDS
 status=0
 timeout "$timeout_s" qemu-x86_64 -cpu "$cpu_model" "$python" -m pytest -q -p no:cacheprovider "$@" \

@@ -1,5 +1,5 @@
 """fp32 linears on MKL's packed copies vs oneDNN's, at every row count: the measurement behind the MKL rule in
-rollout/engine/cpu_features.py (rollout/engine/mkl_packed.py).
+rollout/engine/cpu/features.py (rollout/engine/cpu/mkl_packed.py).
 
 1. One pass over W1's linears as the engine runs them (per layer q/k/v stacked, o, gate and up, down; then the
    lm_head; distinct weights per layer, ~103 MB, more than a last-level cache, as in a step), at 1-256 rows, paths
@@ -47,11 +47,11 @@ def _layer_weights(g: torch.Generator) -> dict[str, torch.Tensor]:
 
 def _paths(layers: list[dict], lm_head: torch.Tensor) -> dict[str, object]:
     """name -> (rows -> a callable running the pass at that many rows), or None where a path does not exist here."""
-    from rollout.engine import mkl_packed
-    from rollout.engine.cpu_features import SMALL_MATMUL_ROWS, cpu_features
-    from rollout.engine.cpu_kernel import load_kernel, small_matmul
-    from rollout.engine.mkl_packed import MklPackedWeight
-    from rollout.engine.packed_linear import PACK_BATCH_HINT
+    from rollout.engine.cpu import mkl_packed
+    from rollout.engine.cpu.features import SMALL_MATMUL_ROWS, cpu_features
+    from rollout.engine.cpu.kernel import load_kernel, small_matmul
+    from rollout.engine.cpu.mkl_packed import MklPackedWeight
+    from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT
 
     pointwise, binary = torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary
     onednn = [{k: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for k, w in layer.items()}
@@ -177,8 +177,8 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true", help="only the linear pass")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from rollout.engine import mkl_packed
-    from rollout.engine.cpu_features import cpu_features
+    from rollout.engine.cpu import mkl_packed
+    from rollout.engine.cpu.features import cpu_features
 
     log(f"CPU: {cpu_features().describe()}")
     if not mkl_packed.available():

@@ -18,7 +18,7 @@ import torch
 from common import build_model, build_w1, format_table
 
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams
-from rollout.engine.packed_linear import PackedLinears
+from rollout.engine.cpu.packed_linear import PackedLinears
 
 
 def _time_interleaved(fns: list, repeats: int) -> list[float]:

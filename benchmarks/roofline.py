@@ -69,17 +69,17 @@ MATMUL_KINDS = ("f_linear", "onednn_packed", "mkl_packed")
 
 def matmul_fn(kind: str, x: torch.Tensor, w: torch.Tensor):
     """A call of `x @ w.T` with kernel `kind` (MATMUL_KINDS), or None where this torch cannot pack `w`'s dtype with
-    that kernel (MKL's packed sgemm: fp32 only, where rollout.engine.mkl_packed finds it)."""
+    that kernel (MKL's packed sgemm: fp32 only, where rollout.engine.cpu.mkl_packed finds it)."""
     if kind == "f_linear":
         return lambda: F.linear(x, w)
     if kind == "mkl_packed":
-        from rollout.engine import mkl_packed
+        from rollout.engine.cpu import mkl_packed
 
         if w.dtype != torch.float32 or not mkl_packed.available():
             return None
         packed = mkl_packed.MklPackedWeight(w)
         return lambda: packed.linear(x)
-    from rollout.engine.packed_linear import PACK_BATCH_HINT, packing_available
+    from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT, packing_available
 
     if not packing_available(w.dtype):
         return None

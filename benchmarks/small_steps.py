@@ -1,6 +1,6 @@
 """Steps of a few rows on CPU: `F.linear` (MKL) vs the engine's oneDNN-packed copies vs MKL's packed copies vs the
 small-rows C kernel (csrc/small_matmul.c), the measurement behind the small-step rules in
-rollout/engine/cpu_features.py (UNPACKED_MAX_ROWS_INTEL, UNPACKED_MAX_ROWS_MKL_PACKED, SMALL_MATMUL_ROWS);
+rollout/engine/cpu/features.py (UNPACKED_MAX_ROWS_INTEL, UNPACKED_MAX_ROWS_MKL_PACKED, SMALL_MATMUL_ROWS);
 benchmarks/linear_backends.py compares the two packed copies at every row count.
 
 1. One pass over all of W1's linear weights (8 layers and the lm_head, distinct tensors: ~103 MB, more than a last-level
@@ -33,7 +33,7 @@ KINDS = (*MATMUL_KINDS, "small_matmul")
 def _calls(kind: str, inputs: dict, weights: list):
     if kind != "small_matmul":
         return [matmul_fn(kind, inputs[w.shape[1]], w) for w in weights]
-    from rollout.engine.cpu_kernel import load_kernel, small_matmul
+    from rollout.engine.cpu.kernel import load_kernel, small_matmul
 
     if load_kernel() is None:
         return [None]
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from rollout.engine.cpu_features import cpu_features
+    from rollout.engine.cpu.features import cpu_features
 
     log(f"CPU: {cpu_features().describe()}")
     rows = linear_pass_rows(args.rounds) + engine_rows(args)

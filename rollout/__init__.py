@@ -15,11 +15,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ContinuousBatchingConfig": "rollout.config",
     "ContinuousBatchingManager": "rollout.manager",
-    "EngineStats": "rollout.engine.stats",
-    "ErrorKind": "rollout.engine.request",
+    "EngineStats": "rollout.engine.core.stats",
+    "ErrorKind": "rollout.engine.core.request",
     "InvalidRequestError": "rollout.validation",
     "ManagerError": "rollout.manager",
-    "UnsupportedModelError": "rollout.engine.model_runner",
+    "UnsupportedModelError": "rollout.engine.worker.model_runner",
     "LLMEngine": "rollout.engine",
     "RequestOutput": "rollout.engine",
     "RequestStatus": "rollout.engine",
@@ -36,9 +36,9 @@ _EXPORTS = {
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from rollout.config import ContinuousBatchingConfig
     from rollout.engine import LLMEngine, RequestOutput, RequestStatus
-    from rollout.engine.model_runner import UnsupportedModelError
-    from rollout.engine.request import ErrorKind
-    from rollout.engine.stats import EngineStats
+    from rollout.engine.core.request import ErrorKind
+    from rollout.engine.core.stats import EngineStats
+    from rollout.engine.worker.model_runner import UnsupportedModelError
     from rollout.generate import continuous_batching_context_manager, generate_batch, init_continuous_batching
     from rollout.manager import ContinuousBatchingManager, ManagerError
     from rollout.rl.batch import RolloutBatch, RolloutSample

@@ -39,8 +39,8 @@ CPU_DEFAULT_CACHE_TOKENS = 65536
 # 15% slower on an AVX2 one). CUDA: flash-attn's paged kernels need a multiple of 256.
 DEFAULT_PAGE_SIZE = {"cpu": 32, "cuda": 256}
 FALLBACK_PAGE_SIZE = 256
-# torch.compile of the engine's forward (rollout/engine/compiled_forward.py): the keywords a compile config may hold,
-# and what each default_compile_level means (as in transformers).
+# torch.compile of the engine's forward (rollout/engine/worker/compiled_forward.py): the keywords a compile config
+# may hold, and what each default_compile_level means (as in transformers).
 COMPILE_KEYS = ("mode", "dynamic", "fullgraph", "options", "backend")
 MAX_COMPILE_LEVEL = 3
 
@@ -91,8 +91,8 @@ class ContinuousBatchingConfig:
     cpu_group_timeout: float | None = 300.0
     max_queue_size: int = 0
     per_request_processors: bool = True
-    # CPU only: attend with the C kernel (rollout/engine/csrc, built with the system compiler at first use) instead of
-    # page gathers + SDPA. None: the kernel when it builds (fp32/bf16 caches), else the PyTorch path.
+    # CPU only: attend with the C kernel (rollout/engine/cpu/csrc, built with the system compiler at first use)
+    # instead of page gathers + SDPA. None: the kernel when it builds (fp32/bf16 caches), else the PyTorch path.
     cpu_attention_kernel: bool | None = None
     # CPU only: run fp32/bf16 linears on prepacked weight copies (oneDNN's; for fp32 on Intel CPUs MKL's; faster except
     # at steps of a few rows, which keep F.linear or a C kernel; costs one extra copy of the linear weights in RAM).
@@ -102,7 +102,7 @@ class ContinuousBatchingConfig:
     # CPU only: intra-op threads of an engine step. None: the stepping thread's own count (torch.set_num_threads of
     # the thread that steps; the manager's loop adopts its last submitter's). An int: that many. "auto": at most the
     # stepping thread's count, fewer while other processes keep this process's cores busy (spinning OpenMP workers
-    # on shared cores cost an order of magnitude; see rollout/engine/core_budget.py). `rollout serve` uses "auto".
+    # on shared cores cost an order of magnitude; see rollout/engine/cpu/core_budget.py). `rollout serve` uses "auto".
     cpu_threads: int | str | None = None
     # Deprecated alias of page_size, kept so transformers-style code keeps working.
     block_size: int | None = field(default=None, repr=False)

@@ -9,9 +9,9 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.engine.core.request import RequestOutput
 from rollout.engine.engine import LLMEngine
-from rollout.engine.request import RequestOutput
-from rollout.engine.resolve import resolve_sampling
+from rollout.engine.sample.resolve import resolve_sampling
 from rollout.sampling_params import SamplingParams
 
 

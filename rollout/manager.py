@@ -31,11 +31,11 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from rollout import interpreter_exit
 from rollout.config import ContinuousBatchingConfig
+from rollout.engine.core.request import ErrorKind, RequestOutput
+from rollout.engine.core.sequence_group import sequence_ids
+from rollout.engine.core.stats import EngineStats
 from rollout.engine.engine import LLMEngine
-from rollout.engine.request import ErrorKind, RequestOutput
-from rollout.engine.sequence_group import sequence_ids
-from rollout.engine.stats import EngineStats
-from rollout.engine.warm_up import WarmUp, warm_up
+from rollout.engine.worker.warm_up import WarmUp, warm_up
 from rollout.output_router import OutputCallback, OutputRouter
 from rollout.sampling_params import SamplingParams
 

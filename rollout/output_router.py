@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from rollout.engine.request import ErrorKind, RequestOutput
+from rollout.engine.core.request import ErrorKind, RequestOutput
 
 logger = logging.getLogger(__name__)
 

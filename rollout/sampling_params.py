@@ -1,7 +1,7 @@
 """Per-request sampling and stopping settings, as a caller writes them (every field optional).
 
 What the engine consumes is their resolution over the model's `GenerationConfig`, `ResolvedSampling`
-(rollout.engine.resolve): every field concrete and validated once, at submission.
+(rollout.engine.sample.resolve): every field concrete and validated once, at submission.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ class SamplingParams:
     `seed` makes the request's samples independent of the rest of the batch and repeatable across runs.
     `stop_strings` end a sequence once its decoded text contains one (the engine needs a tokenizer for them).
 
-    Shaping the distribution (see rollout/engine/logits_processors.py): `logit_bias` ({token id: -100..100}, added
-    to the logits as OpenAI does), `allowed_token_ids` (only these may be sampled), `bad_words_ids` (token sequences
-    that may not be completed), `min_new_tokens` (EOS and stop ids are masked until then) and `logits_processors`
-    (callables `(generated_ids, logits_row) -> logits_row` or transformers `LogitsProcessor` objects).
+    Shaping the distribution (see rollout/engine/sample/logits_processors.py): `logit_bias` ({token id: -100..100},
+    added to the logits as OpenAI does), `allowed_token_ids` (only these may be sampled), `bad_words_ids` (token
+    sequences that may not be completed), `min_new_tokens` (EOS and stop ids are masked until then) and
+    `logits_processors` (callables `(generated_ids, logits_row) -> logits_row` or transformers `LogitsProcessor`
+    objects).
     Structured outputs (at most one; the engine needs a tokenizer and xgrammar): `json_schema` (a dict or JSON text),
     `regex`, `grammar` (EBNF) or `choice` (the output is exactly one of these strings).
 
-    Logprobs beyond the RL contract (see rollout/engine/prompt_logprobs.py and top_logprobs.py): `logprobs=k` adds,
-    per generated token, the model's own log_softmax(logits) of it (`raw_logprobs`) and the k most likely tokens
+    Logprobs beyond the RL contract (see rollout/engine/sample/prompt_logprobs.py and top_logprobs.py): `logprobs=k`
+    adds, per generated token, the model's own log_softmax(logits) of it (`raw_logprobs`) and the k most likely tokens
     under the sampled, the policy and the raw distribution. `prompt_logprobs=k` (0: only each prompt token's own)
     fills `prompt_logprobs` in the same prefill: log_softmax(logits / prompt_logprobs_temperature) (default 1) of
     prompt token i given tokens [0, i), from `prompt_logprobs_start` (default 1; earlier positions, and always

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from rollout.engine.cpu_features import cpu_features
+from rollout.engine.cpu.features import cpu_features
 from tests.helpers.cpu import BF16_ERROR
 
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -15,7 +15,7 @@ from rollout import (
     generate_batch,
     init_continuous_batching,
 )
-from rollout.engine.request import ErrorKind
+from rollout.engine.core.request import ErrorKind
 from rollout.manager import ManagerError
 from tests.helpers.models import random_prompts, tiny_model
 

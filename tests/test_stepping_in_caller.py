@@ -8,7 +8,7 @@ import pytest
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, generate_batch
-from rollout.engine.request import ErrorKind
+from rollout.engine.core.request import ErrorKind
 from rollout.manager import ManagerError
 from tests.helpers.models import random_prompts, tiny_model
 

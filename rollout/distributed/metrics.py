@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from rollout.engine.stats import EngineStats
+from rollout.engine.core.stats import EngineStats
 
 _SHARED = ("page_size", "weight_version")  # the same on every worker of a pool: taken, not summed
 WORKER_FIGURES = ("tokens_per_second", "generated_tokens", "seconds", "groups", "queued_tokens", "peak_kv_cache_usage",

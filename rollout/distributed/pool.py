@@ -39,7 +39,7 @@ from rollout.distributed.broadcast import ObjectStoreTransport, WeightTransport,
 from rollout.distributed.metrics import batch_stats, engine_stats, pooled
 from rollout.distributed.spec import ModelSpec
 from rollout.distributed.worker import CONCURRENCY_GROUPS, RolloutWorker
-from rollout.engine.stats import EngineStats
+from rollout.engine.core.stats import EngineStats
 from rollout.manager import ManagerError
 from rollout.rl.batch import Prompt, RolloutBatch, RolloutSample
 from rollout.rl.weights import check_on_update

@@ -32,7 +32,7 @@ from rollout.client import DEFAULT_CHUNK_BYTES, RolloutClient, RolloutServerErro
 from rollout.distributed.balance import group_cost, spread
 from rollout.distributed.broadcast import rejection
 from rollout.distributed.metrics import batch_stats, pooled
-from rollout.engine.stats import EngineStats
+from rollout.engine.core.stats import EngineStats
 from rollout.rl.batch import RolloutBatch, RolloutSample
 from rollout.rl.weights import WeightUpdateError, check_on_update
 from rollout.sampling_params import SamplingParams

@@ -20,7 +20,7 @@ import torch
 from rollout.config import ContinuousBatchingConfig
 from rollout.distributed.broadcast import ObjectStoreTransport, Packed, WeightTransport, collect_weights, pack, unpack
 from rollout.distributed.spec import ModelSpec
-from rollout.engine.stats import EngineStats
+from rollout.engine.core.stats import EngineStats
 from rollout.rl.batch import Prompt, RolloutSample
 from rollout.rl.generator import RolloutGenerator
 from rollout.rl.weights import StagedPairs, WeightUpdateError, stage_update

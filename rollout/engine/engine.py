@@ -12,21 +12,21 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import DEFAULT_MAX_REQUESTS, ContinuousBatchingConfig
-from rollout.engine import prompt_logprobs
-from rollout.engine.block_pool import BlockPool
-from rollout.engine.compiled_forward import build_compiled_forward
-from rollout.engine.core_budget import CoreBudget
-from rollout.engine.kv_cache import KVShape, PagedKVCache
-from rollout.engine.model_runner import ModelRunner
-from rollout.engine.request import ErrorKind, Request, RequestOutput
-from rollout.engine.resolve import ResolvedSampling, resolve_sampling
-from rollout.engine.rows import SampleRow
-from rollout.engine.sampler import Sampler
-from rollout.engine.scheduler import Scheduler
-from rollout.engine.sequence_group import SequenceGroup, sequence_ids
-from rollout.engine.stats import EngineStats
-from rollout.engine.stopping import StopChecker
-from rollout.engine.structured_output import GrammarCompiler
+from rollout.engine.core.block_pool import BlockPool
+from rollout.engine.core.request import ErrorKind, Request, RequestOutput
+from rollout.engine.core.scheduler import Scheduler
+from rollout.engine.core.sequence_group import SequenceGroup, sequence_ids
+from rollout.engine.core.stats import EngineStats
+from rollout.engine.core.stopping import StopChecker
+from rollout.engine.cpu.core_budget import CoreBudget
+from rollout.engine.sample import prompt_logprobs
+from rollout.engine.sample.resolve import ResolvedSampling, resolve_sampling
+from rollout.engine.sample.rows import SampleRow
+from rollout.engine.sample.sampler import Sampler
+from rollout.engine.sample.structured_output import GrammarCompiler
+from rollout.engine.worker.compiled_forward import build_compiled_forward
+from rollout.engine.worker.kv_cache import KVShape, PagedKVCache
+from rollout.engine.worker.model_runner import ModelRunner
 from rollout.sampling_params import SamplingParams
 from rollout.validation import InvalidRequestError, check_prompt
 
@@ -134,7 +134,7 @@ class LLMEngine:
         An invalid prompt or invalid settings do not raise: the request fails alone, with the reason in its output.
         A duplicate id is the caller's bug and raises ValueError. `keep_kv`: when a sequence finishes, keep its KV
         for a continuation until `release_kept` (or until the cache needs the blocks). `continues`: a kept sequence
-        whose tokens this prompt extends; only the tokens after its KV are prefilled (see rollout.engine.kept_kv).
+        whose tokens this prompt extends; only the tokens after its KV are prefilled (see rollout.engine.core.kept_kv).
         """
         request_id = request_id if request_id is not None else self.new_request_id()
         n = sampling_params.n if sampling_params is not None else 1

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollout.engine.stats import EngineStats
+from rollout.engine.core.stats import EngineStats
 from rollout.manager import ContinuousBatchingManager, ManagerError
 from rollout.rl.batch import Prompt
 from rollout.sampling_params import SamplingParams

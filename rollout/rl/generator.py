@@ -22,8 +22,8 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.request import RequestStatus
-from rollout.engine.sequence_group import sequence_ids
+from rollout.engine.core.request import RequestStatus
+from rollout.engine.core.sequence_group import sequence_ids
 from rollout.manager import ContinuousBatchingManager
 from rollout.rl import scoring
 from rollout.rl.agents.env_calls import EnvCalls

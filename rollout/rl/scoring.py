@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine.request import RequestOutput, RequestStatus
+from rollout.engine.core.request import RequestOutput, RequestStatus
 from rollout.rl.calls import EngineCalls, list_problems
 from rollout.sampling_params import SamplingParams
 

@@ -29,7 +29,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.request import RequestOutput, RequestStatus
+from rollout.engine.core.request import RequestOutput, RequestStatus
 from rollout.manager import ContinuousBatchingManager
 from rollout.rl.generator import RolloutGenerator
 from rollout.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from rollout.engine.request import ErrorKind, RequestOutput
+from rollout.engine.core.request import ErrorKind, RequestOutput
 from rollout.openai_params import openai_name
 from rollout.server.protocol import ErrorInfo, ErrorResponse
 from rollout.validation import InvalidRequestError

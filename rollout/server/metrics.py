@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from rollout.engine.stats import EngineStats
+from rollout.engine.core.stats import EngineStats
 from rollout.server.backend import ServerBackend
 
 PREFIX = "rollout_"

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rollout.engine.request import RequestOutput, RequestStatus
+from rollout.engine.core.request import RequestOutput, RequestStatus
 from rollout.server.errors import OpenAIError, from_failed_output
 from rollout.server.jobs import Job, Prompt
 from rollout.server.protocol import (

@@ -19,8 +19,8 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable
 
-from rollout.engine.request import RequestOutput, RequestStatus
-from rollout.engine.sequence_group import sequence_ids
+from rollout.engine.core.request import RequestOutput, RequestStatus
+from rollout.engine.core.sequence_group import sequence_ids
 from rollout.server.errors import OpenAIError, from_failed_output
 
 logger = logging.getLogger(__name__)

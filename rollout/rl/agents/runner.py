@@ -3,7 +3,7 @@
 Each episode alternates a model turn (one engine request) and its environment's answer (a call on EnvCalls). While an
 episode waits for its environment the engine keeps generating for the others, and an answer puts the episode's next
 turn into the engine at once. Every model turn is submitted with `keep_kv` and the next one `continues` it
-(rollout.engine.kept_kv), so a turn prefills only what is new since the last one: the previous turn's last token
+(rollout.engine.core.kept_kv), so a turn prefills only what is new since the last one: the previous turn's last token
 (sampled, never run through the model) and the environment's tokens. Per episode: prompt + appended tokens + one token
 per continued turn; never the conversation again.
 
@@ -20,8 +20,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from rollout.engine.request import RequestOutput, RequestStatus
-from rollout.engine.sequence_group import sequence_ids
+from rollout.engine.core.request import RequestOutput, RequestStatus
+from rollout.engine.core.sequence_group import sequence_ids
 from rollout.manager import ManagerError
 from rollout.rl.agents.chat_turns import ChatTurns
 from rollout.rl.agents.env_calls import EnvCalls, EnvTimeout

@@ -1,0 +1,554 @@
+"""The request lifecycle: who runs each step, and what happens to requests after it.
+
+`schedule()` decides the step (token budget, chunked prefill, admission with a safety margin, preemption) and hands
+the model runner one StepPlan; `update(plan, sampled)` takes the sampled tokens back: it appends them, applies the
+stop rule, forks n-sample groups off their shared prefill, finishes requests and returns their outputs. Every queue
+edit happens here, so the engine around it is just schedule -> run -> sample -> update.
+
+Every running request has `num_pending` tokens whose KV is not yet in the cache (a whole prompt, a chunk of it, the
+one token sampled last step, or prompt + generated after preemption). A step gives each scheduled request up to that
+many tokens within the `max_batch_tokens` budget. Policies differ only in order: `fifo` serves decodes first (steady
+inter-token latency), `prefill_first` admits and prefills first (faster time to first token).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+from rollout.engine.core.block_pool import BlockPool, hash_chain
+from rollout.engine.core.kept_kv import KeptSequences
+from rollout.engine.core.request import ErrorKind, Request, RequestOutput, RequestStatus
+from rollout.engine.core.sequence_group import SequenceGroup
+from rollout.engine.core.step import StepPlan
+from rollout.engine.core.stopping import StopChecker
+from rollout.engine.sample.prompt_logprobs import PromptLogprobs
+from rollout.engine.sample.rows import SampleResult
+
+logger = logging.getLogger(__name__)
+
+
+CopyBlock = Callable[[int, int, int], None]  # (source block, target block, tokens): copies KV for a fork
+
+
+def _prefill_key(request: Request) -> tuple:
+    """Requests may share one prefill when this matches: the same prompt, both sampling or both prefill-only
+    (max_new_tokens=0), and the same prompt logprobs asked for (the leader's are copied to the others)."""
+    s = request.sampling
+    wanted = None if s.prompt_logprobs is None else (s.prompt_logprobs, max(1, s.prompt_logprobs_start),
+                                                     s.prompt_logprobs_temperature)
+    return tuple(request.prompt_ids), s.max_new_tokens == 0, wanted
+
+
+class Scheduler:
+    """Owns every live request, the waiting queue and the running list; allocates blocks through the pool.
+
+    Sequences of one prompt share its prefill: the queued leader runs the prompt and the others (`_forks`) fork off it
+    when its first token is sampled. Identical prompts queued by other requests join a leader that has not started yet
+    (`_open`), so TRL's repeated prompts and per-sample requests are prefilled once too.
+    """
+
+    def __init__(self, pool: BlockPool, page_size: int, max_batch_tokens: int, max_requests_per_batch: int,
+                 policy: str = "fifo", safety_margin: float = 0.0, stop: StopChecker | None = None,
+                 copy_block: CopyBlock | None = None, share_prefills: bool = True) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.policy = policy
+        self.safety_margin = safety_margin
+        self.stop = stop or StopChecker()
+        self.copy_block = copy_block
+        self.share_prefills = share_prefills
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # live sequences by id
+        self.groups: dict[str, SequenceGroup] = {}  # live requests by request id
+        self._group_of: dict[Request, SequenceGroup] = {}
+        # leader -> sequences that fork off its prefill (an ordered set), and the way back: a sequence leaves a fork
+        # set in O(1), so cancelling an n-sample request costs O(n), not O(n^2)
+        self._forks: dict[Request, dict[Request, None]] = {}
+        self._leader_of: dict[Request, Request] = {}
+        self._open: dict[tuple[int, ...], Request] = {}  # prompt -> queued leader identical prompts may join
+        self._outbox: list[RequestOutput] = []  # outputs produced between two updates (failures, cancels)
+        self.kept = KeptSequences()  # finished sequences holding their KV for a continuation (see kept_kv)
+        self.weight_version = 0
+        self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # prefill entries cut short by the budget or memory
+        self.counters = dict(prompt_tokens=0, generated_tokens=0, prefill_tokens=0, decode_tokens=0,
+                             prefix_hit_tokens=0)
+
+    # ------------------------------------------------------------------ queues
+    def id_in_use(self, request_id: str, sequence_ids: Iterable[str]) -> str | None:
+        """The first of a new request's ids that a live request already uses, or None."""
+        if request_id in self.groups:
+            return request_id
+        return next((rid for rid in sequence_ids if rid in self.requests or rid in self.groups), None)
+
+    def add(self, group: SequenceGroup, continues: str | None = None) -> None:
+        """Queue a request's sequences: one prefill for the group (or none, if an identical prompt is queued).
+
+        `continues`: the id of a kept sequence (see `kept_kv`) whose tokens the prompt extends; the group's prefill
+        then starts from its KV. A continuation never shares its prefill with identical prompts.
+        """
+        taken = self.id_in_use(group.request_id, group.ids)
+        if taken is not None:
+            raise ValueError(f"request id {taken!r} is already in use; pass a unique request_id")
+        self.groups[group.request_id] = group
+        for member in group.members:
+            self.requests[member.request_id] = member
+            self._group_of[member] = group
+        self.counters["prompt_tokens"] += len(group.leader.prompt_ids)
+        continued = continues is not None and self._adopt_kept(group.leader, continues)
+        key = None if continued else _prefill_key(group.leader)
+        leader = self._open.get(key) if key is not None else None
+        if leader is not None:
+            self._add_forks(leader, group.members)
+            return
+        self._forks[group.leader] = {}
+        self._add_forks(group.leader, group.members[1:])
+        self.waiting.append(group.leader)
+        if self.share_prefills and key is not None:
+            self._open[key] = group.leader
+
+    def _add_forks(self, leader: Request, followers: Iterable[Request]) -> None:
+        forks = self._forks[leader]
+        for follower in followers:
+            forks[follower] = None
+            self._leader_of[follower] = leader
+
+    def reject(self, outputs: Iterable[RequestOutput]) -> None:
+        """Outputs of requests that failed before they were queued, returned with the next update."""
+        self._outbox.extend(outputs)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._outbox)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outbox = self._outbox, []
+        return outputs
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # --------------------------------------------------------------- the step
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = [self.max_batch_tokens]
+        failed = len(self._outbox)
+        if self.policy == "fifo":
+            self._schedule_running(plan, budget, decode=True)
+            self._schedule_running(plan, budget, decode=False)
+            self._admit_waiting(plan, budget)
+        else:
+            self._schedule_running(plan, budget, decode=False)
+            self._admit_waiting(plan, budget)
+            self._schedule_running(plan, budget, decode=True)
+        if not plan.requests and self.running and len(self._outbox) == failed:
+            self._fail_unschedulable()
+        for row, entry in enumerate(plan.sample_rows):
+            leader = plan.requests[entry]
+            for member in [leader, *self._forks.get(leader, ())]:
+                plan.sampled.append(member)
+                plan.logit_rows.append(row)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: list[int], decode: bool) -> None:
+        scheduled = {id(r) for r in plan.requests}
+        for request in list(self.running):
+            if id(request) in scheduled or request.status == RequestStatus.PENDING:
+                continue  # already in the plan, or preempted earlier in this loop
+            if (request.num_pending == 1) != decode:
+                continue
+            if budget[0] <= 0 or len(plan) >= self.max_requests_per_batch:
+                return
+            num = min(request.num_pending, budget[0])
+            num = self._reserve(request, num, plan, scheduled)
+            if num == 0:
+                continue
+            self._plan_add(plan, request, num)
+            scheduled.add(id(request))
+            budget[0] -= num
+
+    def _reserve(self, request: Request, num: int, plan: StepPlan, scheduled: set[int]) -> int:
+        """Make room in the block table for `num` more tokens, preempting or shrinking the chunk; 0 if impossible."""
+        while True:
+            needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+            self._release_kept_for(needed)
+            if needed <= self.pool.num_free:
+                if needed > 0:
+                    request.block_table.extend(self.pool.allocate(needed))
+                return num
+            if request.num_pending > 1:  # a prefill chunk can shrink to what fits
+                room = (len(request.block_table) + self.pool.num_free) * self.page_size - request.num_computed
+                if room > 0:
+                    num = min(num, room)
+                    continue
+            victim = self._pick_victim(exclude=scheduled | {id(request)})
+            if victim is None:
+                return 0
+            self._preempt(victim, plan)
+
+    def _pick_victim(self, exclude: set[int]) -> Request | None:
+        for request in reversed(self.running):  # lowest priority = latest arrival = end of the list
+            if id(request) not in exclude:
+                return request
+        return None
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free the request's blocks and requeue it at the front; it recomputes prompt + generated later."""
+        self.running.remove(request)
+        self.release(request)
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        logger.debug("preempted %s to free KV blocks", request.request_id)
+
+    def _admit_waiting(self, plan: StepPlan, budget: list[int]) -> None:
+        reserve = self.safety_margin * self.pool.num_blocks
+        while self.waiting and budget[0] > 0 and len(plan) < self.max_requests_per_batch:
+            request = self.waiting[0]
+            if self.running:
+                self._release_kept_for(reserve)
+                if self.pool.num_free < reserve:
+                    return
+            if self.blocks_for(len(request.tokens) + 1) > self.pool.num_blocks:
+                error = (f"needs {self.blocks_for(len(request.tokens) + 1)} KV blocks of {self.page_size} tokens but "
+                         f"the cache has only {self.pool.num_blocks}; raise num_blocks (or page_size) in "
+                         "ContinuousBatchingConfig or shorten the prompt")
+                self._fail_with_forks(request, error, ErrorKind.CAPACITY)
+                continue
+            self._attach_prefix(request)
+            num = min(request.num_pending, budget[0])
+            needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+            self._release_kept_for(needed)
+            if needed > self.pool.num_free:
+                room = (len(request.block_table) + self.pool.num_free) * self.page_size - request.num_computed
+                if room <= 0 or (self.running and room < request.num_pending and room < budget[0]):
+                    # Wait for memory rather than start a prefill we would soon have to preempt.
+                    self.release(request)
+                    return
+                num = min(num, room)
+                needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+            request.block_table.extend(self.pool.allocate(max(needed, 0)))
+            self.waiting.popleft()
+            self._close(request)  # it starts now: identical prompts arriving later queue a prefill of their own
+            request.status = RequestStatus.PREFILLING
+            self.running.append(request)
+            self._plan_add(plan, request, num)
+            budget[0] -= num
+
+    def _attach_prefix(self, request: Request) -> None:
+        """Reuse cached blocks of the request's full-block prefix under the current weights."""
+        if request.block_table:
+            return  # it continues a kept sequence whose KV it holds already
+        request.kv_version = self.weight_version
+        request.block_hashes = hash_chain(request.tokens, self.page_size, self.weight_version)
+        request.num_hashed_blocks = 0
+        # Blocks whose logits a prompt logprob still needs are recomputed, not reused (see prompt_logprobs.py).
+        for key in request.block_hashes[:request.max_cached_tokens // self.page_size]:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            request.block_table.append(block)
+        # Always leave at least one token to compute: it yields the logits for the next sample.
+        if len(request.block_table) * self.page_size >= len(request.tokens):
+            self.pool.release([request.block_table.pop()])
+        request.num_computed = len(request.block_table) * self.page_size
+        request.num_hashed_blocks = len(request.block_table)
+        request.num_prefix_hit_tokens = request.num_computed
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing could run: the oldest running request cannot fit even alone. Fail it rather than spin."""
+        request = self.running[0]
+        error = (f"ran out of KV cache at {len(request.tokens)} tokens with {self.pool.num_blocks} blocks of "
+                 f"{self.page_size}; raise num_blocks in ContinuousBatchingConfig or lower max_new_tokens")
+        self._fail_with_forks(request, error, ErrorKind.CAPACITY)
+
+    # ---------------------------------------------------------------- lifecycle
+    def update(self, plan: StepPlan, sampled: SampleResult, weight_version: int,
+               prompt_records: Sequence[PromptLogprobs] = ()) -> list[RequestOutput]:
+        """Take a finished forward back: count the computed tokens, record the prompt logprobs it gave, append each
+        sampled token with its logprobs, fork groups off their prefill, stop what is done. The one writer of every
+        per-token record. Returns the outputs of this step (finished requests and streaming partials, plus anything
+        that failed or was cancelled since the last update)."""
+        for record in prompt_records:
+            _record_prompt_logprobs(plan.requests[record.entry], record)
+        for req, num in zip(plan.requests, plan.query_lens):
+            req.num_computed += num
+            self.counters["decode_tokens" if num == 1 and req.num_generated else "prefill_tokens"] += num
+        failed: dict[Request, str] = {}
+        for i, req in enumerate(plan.sampled):
+            error = self._accept(req, i, sampled)
+            if error is not None:
+                failed[req] = error
+                continue
+            req.tokens.append(sampled.tokens[i])
+            req.logprobs.append(sampled.logprobs[i])
+            req.policy_logprobs.append(sampled.policy_logprobs[i])
+            req.kept_logmass.append(sampled.kept_logmass[i])
+            req.weight_versions.append(weight_version)
+            if i in sampled.alternatives:
+                alternatives = sampled.alternatives[i]
+                req.raw_logprobs.append(alternatives.raw_logprob)
+                req.top_logprobs.append(alternatives.top)
+                req.policy_top_logprobs.append(alternatives.policy_top)
+                req.raw_top_logprobs.append(alternatives.raw_top)
+            req.status = RequestStatus.DECODING
+        self.counters["generated_tokens"] += len(plan.sampled) - len(failed)
+        for entry in plan.prefilled:  # max_new_tokens=0: done once the prompt is in, with its group
+            leader = plan.requests[entry]
+            for member in [leader, *self._pop_forks(leader)]:
+                member.take_prompt_logprobs(leader)
+                self._finish(member, RequestStatus.FINISHED, "length", queued=member is leader)
+        for entry in plan.sample_rows:
+            self._fork_all(plan.requests[entry])
+        for req, error in failed.items():  # after forking: a failed leader's prefill still serves its group
+            self._finish(req, RequestStatus.FAILED, "error", error, ErrorKind.INVALID_REQUEST)
+        for req in plan.sampled:
+            if req in failed:
+                continue
+            reason = self.stop(req)
+            if reason is not None:
+                self._finish(req, RequestStatus.FINISHED, reason)
+            elif req.streaming:
+                self._outbox.append(req.to_output())
+        return self.take_outputs()
+
+    @staticmethod
+    def _accept(req: Request, row: int, sampled: SampleResult) -> str | None:
+        """Why the token sampled for `req` cannot be appended (its processors failed, or its grammar refuses the
+        token), or None; a structured output's matcher advances past an accepted token here."""
+        error = sampled.errors.get(row)
+        if error is None and req.grammar is not None and not req.grammar.accept(sampled.tokens[row]):
+            error = f"the structured-output grammar does not allow the sampled token {sampled.tokens[row]}"
+        return error
+
+    def fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+        """The forward of `plan` raised: unpublish its blocks and fail its requests (sequences waiting to fork off a
+        failed prefill get a prefill of their own)."""
+        self.pool.unregister(plan.registered_blocks)
+        for req in plan.requests:
+            self._hand_over(req)
+            self._finish(req, RequestStatus.FAILED, "error", f"model forward failed: {error}", ErrorKind.FORWARD)
+        return self.take_outputs()
+
+    def cancel(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a sequence, or every live sequence of a request, and free the blocks now; [] if none is live."""
+        if request_id in self.requests:
+            targets = [self.requests[request_id]]
+        else:
+            group = self.groups.get(request_id)
+            targets = group.live() if group is not None else []
+        # Sequences waiting to fork leave first, so a cancelled leader has no siblings left to hand its place to.
+        for req in sorted(targets, key=lambda r: r not in self._leader_of):
+            leader = self._leader_of.pop(req, None)
+            if leader is not None:
+                del self._forks[leader][req]
+            else:
+                self._hand_over(req)
+            self._finish(req, RequestStatus.CANCELLED, "cancelled", queued=leader is None)
+        return self.take_outputs()
+
+    def fail_all(self, error: str, kind: ErrorKind = ErrorKind.SHUTDOWN) -> list[RequestOutput]:
+        """Fail every live request (hard stop): blocks are released, outputs carry `error`."""
+        self._forks.clear()
+        self._leader_of.clear()
+        self._open.clear()
+        self.release_all_kept()
+        for req in list(self.requests.values()):
+            self._finish(req, RequestStatus.FAILED, "error", error, kind)
+        return self.take_outputs()
+
+    def _finish(self, req: Request, status: RequestStatus, reason: str, error: str | None = None,
+                kind: ErrorKind | None = None, queued: bool = True) -> None:
+        """Leave the queues, free the blocks, forget the request; its output goes out with the next update.
+        `queued=False`: the caller knows it waited in a fork set, in neither queue (skips two list scans)."""
+        if queued and req in self.running:
+            self.running.remove(req)
+        elif queued and req in self.waiting:
+            self.waiting.remove(req)
+            self._close(req)  # only a queued leader can still be open to identical prompts
+        if self.kept.keeps(req) and status == RequestStatus.FINISHED:
+            self._park(req)
+        else:
+            self.release(req)
+        req.finish(status, reason, f"request {req.request_id!r}: {error}" if error else None, kind)
+        self.requests.pop(req.request_id, None)
+        group = self._group_of.pop(req, None)
+        if group is not None and group.member_finished():
+            del self.groups[group.request_id]
+        self.counters["prefix_hit_tokens"] += req.num_prefix_hit_tokens
+        self._outbox.append(req.to_output())
+
+    def _fail_with_forks(self, leader: Request, error: str, kind: ErrorKind) -> None:
+        """A prefill that can never run fails the sequences waiting to fork off it too (they need the same room)."""
+        for member in [leader, *self._pop_forks(leader)]:
+            self._finish(member, RequestStatus.FAILED, "error", error, kind)
+
+    def _hand_over(self, leader: Request) -> None:
+        """A leader leaves before its forks could fork: the first of them takes its place at the queue's front."""
+        forks = self._pop_forks(leader)
+        if not forks:
+            return
+        heir, *rest = forks
+        self._forks[heir] = {}
+        self._add_forks(heir, rest)
+        self.waiting.appendleft(heir)
+        key = _prefill_key(leader)
+        if self._open.get(key) is leader:  # identical prompts arriving later still join the group
+            self._open[key] = heir
+
+    def _pop_forks(self, leader: Request) -> list[Request]:
+        """Take `leader`'s fork set away (its sequences then belong to no leader)."""
+        forks = list(self._forks.pop(leader, ()))
+        for follower in forks:
+            del self._leader_of[follower]
+        return forks
+
+    def _close(self, leader: Request) -> None:
+        """Identical prompts may no longer join `leader`'s prefill."""
+        key = _prefill_key(leader)
+        if self._open.get(key) is leader:
+            del self._open[key]
+
+    def release(self, request: Request) -> None:
+        """Return a request's blocks to the pool (tail first, so cached heads outlive tails) and reset its KV state."""
+        self.pool.release(reversed(request.block_table))
+        request.block_table = []
+        request.num_computed = 0
+        request.num_hashed_blocks = 0
+
+    def _plan_add(self, plan: StepPlan, request: Request, num: int) -> None:
+        if request.num_pending > 1 and num < request.num_pending:
+            self.num_chunked_prefills += 1
+        plan.add(request, num)
+        plan.registered_blocks.extend(self._register_full_blocks(request, request.num_computed + num))
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """Publish blocks that are full once `num_tokens` are computed.
+
+        Done at schedule time: every layer writes the whole step's K/V before attending, so a request admitted later
+        in the same step can already share blocks this step computes. If the forward fails, the engine unpublishes
+        them (`plan.registered_blocks`).
+        """
+        full = num_tokens // self.page_size
+        if full <= request.num_hashed_blocks:
+            return []
+        if len(request.block_hashes) < full:
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            request.block_hashes.extend(hash_chain(request.tokens[:full * self.page_size], self.page_size,
+                                                   request.kv_version, start=len(request.block_hashes),
+                                                   parent=parent))
+        registered = [request.block_table[b] for b in range(request.num_hashed_blocks, full)
+                      if self.pool.register(request.block_table[b], request.block_hashes[b])]
+        request.num_hashed_blocks = full
+        return registered
+
+    def _fork_all(self, leader: Request) -> None:
+        """The leader's prompt is computed and its first token sampled: its forks join the running list."""
+        for follower in self._pop_forks(leader):
+            follower.take_prompt_logprobs(leader)
+            if self.stop(follower) is not None:
+                continue  # finished on its first token (the stop check follows); nothing to allocate
+            if not self._fork(leader, follower):
+                follower.status = RequestStatus.PENDING  # no room for its partial block: recompute later
+                self.waiting.appendleft(follower)
+
+    def _fork(self, leader: Request, follower: Request) -> bool:
+        """Give `follower` the leader's computed prompt: shared full blocks, a private copy of the partial block."""
+        full, partial = divmod(leader.num_computed, self.page_size)
+        if partial and self.pool.num_free < 1:
+            return False
+        follower.block_table = leader.block_table[:full]
+        for block in follower.block_table:
+            self.pool.share(block)
+        if partial:
+            (new_block,) = self.pool.allocate(1)
+            self.copy_block(leader.block_table[full], new_block, partial)
+            follower.block_table.append(new_block)
+        follower.num_computed = leader.num_computed
+        follower.kv_version = leader.kv_version
+        follower.block_hashes = list(leader.block_hashes[:full])
+        follower.num_hashed_blocks = min(leader.num_hashed_blocks, full)
+        follower.status = RequestStatus.DECODING
+        self.running.insert(self.running.index(leader) + 1, follower)
+        return True
+
+    def preempt_all(self) -> list[Request]:
+        """Send every running request back to recompute (used when weights change under `recompute`)."""
+        preempted = list(self.running)
+        for request in reversed(preempted):
+            self.running.remove(request)
+            self.release(request)
+            request.status = RequestStatus.PENDING
+            self.waiting.appendleft(request)
+        self.release_all_kept()  # their continuations recompute too
+        return preempted
+
+    # ------------------------------------------------------------------ kept KV
+    def keep_kv(self, sequence_ids: list[str]) -> None:
+        """Keep these live sequences' blocks when they finish, for a continuation (see `kept_kv`)."""
+        self.kept.want(sequence_ids)
+
+    def release_kept(self, sequence_id: str) -> bool:
+        """Drop a kept sequence's blocks (its full blocks stay in the prefix cache); False if it is not kept."""
+        request = self.kept.take(sequence_id)
+        if request is not None:
+            self.release(request)
+        return request is not None
+
+    def release_all_kept(self) -> int:
+        kept = self.kept.take_all()
+        for request in kept:
+            self.release(request)
+        return len(kept)
+
+    def _park(self, request: Request) -> None:
+        previous = self.kept.park(request)
+        if previous is not None:
+            self.release(previous)
+
+    def _adopt_kept(self, request: Request, sequence_id: str) -> bool:
+        """Give a queued request the KV of the kept sequence its tokens extend; False (nothing adopted, the kept
+        sequence released) if that sequence is gone or the request's tokens do not start with all of its tokens."""
+        kept = self.kept.take(sequence_id)
+        if kept is None:
+            return False
+        if (request.tokens[:len(kept.tokens)] != kept.tokens or len(request.tokens) <= kept.num_computed
+                or kept.num_computed > request.max_cached_tokens):  # its KV would skip logits prompt logprobs need
+            self.release(kept)
+            return False
+        request.block_table, kept.block_table = kept.block_table, []
+        request.num_computed = kept.num_computed
+        request.kv_version = kept.kv_version
+        request.block_hashes = kept.block_hashes
+        request.num_hashed_blocks = kept.num_hashed_blocks
+        request.num_prefix_hit_tokens = kept.num_computed
+        return True
+
+    def _release_kept_for(self, blocks: float) -> None:
+        """Release kept sequences, oldest first, until `blocks` blocks are free or none is kept."""
+        while self.pool.num_free < blocks and len(self.kept):
+            self.release(self.kept.oldest())
+
+    def check_invariants(self) -> None:
+        """Every live sequence is in exactly one place (running, waiting, or forking off a leader), and the pool's ref
+        counts match the live block tables (used by tests)."""
+        places = [*self.running, *self.waiting, *(f for forks in self._forks.values() for f in forks)]
+        assert len(places) == len(set(places)), "a sequence is queued twice"
+        assert set(places) == set(self.requests.values()), "live sequences and queues disagree"
+        assert all(leader in self.requests.values() for leader in self._forks), "forks of a finished leader"
+        assert self._leader_of == {f: lead for lead, forks in self._forks.items() for f in forks}, "fork index stale"
+        self.pool.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting]
+                                   + self.kept.block_tables())
+
+
+def _record_prompt_logprobs(request: Request, record: PromptLogprobs) -> None:
+    if len(request.prompt_logprobs) != record.first + 1:  # kept contiguous by the scheduling; never write a gap
+        raise RuntimeError(f"{request.request_id}: prompt logprobs recorded up to {len(request.prompt_logprobs)}, "
+                           f"but this step computed them from position {record.first + 1}")
+    request.prompt_logprobs.extend(record.logprobs)
+    if record.top is not None:
+        request.prompt_top_logprobs.extend(record.top)

@@ -1,0 +1,254 @@
+"""What this CPU and this torch build can run fast, decided once per process and logged once as one line.
+
+Why: the engine's CPU fast paths depend on the instruction set. oneDNN packs bf16 linear weights only with AVX-512
+(BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU (many AMD EPYC/Ryzen, older Intel) `_reorder_linear_weight`
+raises for bf16 while fp32 packs fine. So each dtype is probed by actually packing a small weight and comparing the
+packed matmul with `F.linear`: the probe, not the CPU flags, decides, and a dtype that fails keeps `F.linear` (same
+tokens, just unpacked). torch's own bf16 device check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is recorded as
+an extra signal only. MKL's packed sgemm (mkl_packed.py), which packs the fp32 copies on Intel CPUs, is probed the
+same way: a packed weight's products compared with `F.linear`.
+
+ISA flags come from torch's CPUID reader (`torch.cpu.get_capabilities`), which sees the CPU the code actually runs on,
+also under an emulator (qemu-user shows the host's /proc/cpuinfo); /proc/cpuinfo is only the fallback for torch
+builds without it. The C attention kernel's build (its -march, the vector ISA compiled in, OpenMP) is described by
+`rollout.engine.cpu.kernel.kernel_build`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from rollout.engine.cpu import mkl_packed
+from rollout.engine.cpu.isa import ISA_FLAGS, KernelBuild, isa_flags
+from rollout.engine.cpu.kernel import kernel_build
+
+logger = logging.getLogger(__name__)
+
+PROBE_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows (packed_linear packs with it)
+PACK_BATCH_HINT = 256
+# The fused SiLU gate (packed_linear.run_silu_gate) is fp32 only: in bf16 eager rounds the gate to bf16 before the
+# SiLU and the fused post-op would not, so a bf16 model would sample from slightly different logits than eager.
+SILU_GATE_DTYPES = (torch.float32,)
+# Steps of at most this many rows run fp32 linears through F.linear (MKL) instead of oneDNN's packed copies, on Intel
+# CPUs with an MKL torch whose packed sgemm is not used (below): reading each weight once for a few rows, MKL's sgemv
+# streamed the weights faster. On a 2-core Ice Lake Xeon, one pass over W1's linears took 4.5 vs 6.1 ms at 1 row, 6.7
+# vs 7.4 ms at 4, even at 8 and 2.5x slower at 16; a one-row decode step 8.9 vs 11.8 ms. On AMD EPYC the packed
+# one-row pass already streamed at ~33 GB/s, and MKL runs generic code paths there, so it keeps the packed copies.
+# ROLLOUT_UNPACKED_MAX_ROWS overrides (0: never).
+UNPACKED_MAX_ROWS_INTEL = 4
+# Where MKL's packed sgemm serves fp32 linears (mkl_packed.py, Intel CPUs): it is faster from 3-4 rows on, MKL's sgemv
+# on the weights as stored at 1-2 (a pass over W1's linears 5.64 vs 5.36 ms at 1 row, 5.92 vs 5.66 at 2, 6.72 vs 8.25
+# at 4). A compiled one-row decode step runs 2 rows (compiled_forward.MIN_DIM).
+UNPACKED_MAX_ROWS_MKL_PACKED = 2
+ENV_UNPACKED_MAX_ROWS = "ROLLOUT_UNPACKED_MAX_ROWS"
+# fp32 linears of steps with this many rows run the C kernel csrc/small_matmul.c on the weights as stored, where it
+# is built for AVX-512 (PackedLinears.unpacked_linear): at a few rows a step's linears are bound by streaming the
+# weights from memory, which the kernel does faster than oneDNN or MKL. One pass over W1's linears (103 MB) on a
+# 2-core Ice Lake Xeon, best of 5, ms: 4 rows 8.6-8.8 (MKL 10.3-10.4, packed 9.8-10.0), 8 rows 8.5-10.2 (MKL
+# 11.7-13.2, packed 10.4-11.2); 3 rows on par with MKL, 12-16 with packed. At 1-2 rows MKL's sgemv is as fast or
+# faster (unpacked_max_rows below). Built for AVX2 (-march=x86-64-v3, on the same machine) it was 0.94x packed at
+# 4 rows but 1.2x slower at 8: other builds keep the packed copies and MKL. Where MKL's packed sgemm serves (faster
+# still at 2-8 rows), the kernel is not used.
+SMALL_MATMUL_ROWS = (3, 8)
+SMALL_MATMUL_ISAS = ("avx512f",)
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The CPU facts and probe results that decide which fast paths the engine uses on this machine."""
+
+    machine: str  # platform.machine(), e.g. x86_64
+    cpu_name: str
+    isa: frozenset[str]  # the ISA_FLAGS this CPU has
+    torch_capability: str  # torch.backends.cpu.get_cpu_capability(): the vector ISA of torch's own CPU kernels
+    onednn: bool  # torch.backends.mkldnn.is_available()
+    onednn_bf16_device: bool | None  # torch's bf16 device check; None where this torch has none
+    packed_dtypes: frozenset[torch.dtype]  # dtypes whose packed-linear probe passed
+    packing_errors: tuple[tuple[str, str], ...] = ()  # (dtype name, why its probe failed)
+    silu_gate_dtypes: frozenset[torch.dtype] = frozenset()  # dtypes whose oneDNN fused SiLU-gate probe passed
+    unpacked_max_rows: int = 0  # fp32 linears of steps with at most this many rows use F.linear (MKL)
+    kernel: KernelBuild = field(default_factory=lambda: KernelBuild(False, reason="not probed"))
+    # fp32 packed copies are MKL's (mkl_packed.py) rather than oneDNN's; else why not
+    mkl_packed: bool = False
+    mkl_packed_reason: str = "not probed"
+
+    @property
+    def small_matmul_kernel(self) -> bool:
+        """Whether the small-rows C kernel is built here for an ISA it serves (SMALL_MATMUL_ISAS)."""
+        return self.kernel.available and self.kernel.isa in SMALL_MATMUL_ISAS
+
+    @property
+    def small_matmul(self) -> bool:
+        """Whether fp32 linears of SMALL_MATMUL_ROWS rows run the small-rows C kernel here (not where MKL packs)."""
+        return self.small_matmul_kernel and not self.mkl_packed
+
+    @property
+    def gate_dtypes(self) -> frozenset[torch.dtype]:
+        """The dtypes whose SiLU-gated MLPs run gate and up as one op here (see gate_dtypes_for)."""
+        return self.gate_dtypes_for(self.mkl_packed)
+
+    def gate_dtypes_for(self, mkl: bool) -> frozenset[torch.dtype]:
+        """The dtypes whose SiLU-gated MLPs run gate and up as one op: oneDNN's fused pair, or with MKL's copies
+        (`mkl`: fp32) one matmul over the two weights stacked (packed_linear.run_silu_gate)."""
+        return self.silu_gate_dtypes | (frozenset({torch.float32}) if mkl else frozenset())
+
+    def packs(self, dtype: torch.dtype) -> bool:
+        """Whether linear weights of `dtype` can be oneDNN-packed here."""
+        return dtype in self.packed_dtypes
+
+    def packing_error(self, dtype: torch.dtype) -> str:
+        """Why `dtype` cannot be packed here ("" when it can)."""
+        return dict(self.packing_errors).get(_name(dtype), "")
+
+    def describe(self) -> str:
+        """One line: the CPU, torch's ISA level, packed linears per dtype (with why not), the attention kernel."""
+        flags = " ".join(f for f in ISA_FLAGS if f in self.isa) or "none of interest"
+        packing = ", ".join(_packing_word(self, dtype) for dtype in PROBE_DTYPES)
+        if not self.onednn:
+            packing = "unavailable (torch built without oneDNN)"
+        fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.gate_dtypes) or "no"
+        low, high = SMALL_MATMUL_ROWS
+        f_linear_rows = min(self.unpacked_max_rows, low - 1) if self.small_matmul else self.unpacked_max_rows
+        parts = [f"F.linear (MKL) up to {f_linear_rows} rows"] if f_linear_rows else []
+        if self.small_matmul:
+            parts.append(f"the small-rows kernel at {low}-{high} rows")
+        small = ", ".join([*parts, "packed otherwise"]) if parts else "packed"
+        by_mkl = "yes" if self.mkl_packed else f"no ({self.mkl_packed_reason})"
+        return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
+                f"oneDNN packed linear: {packing}; fp32 packed copies by MKL: {by_mkl}; fused SiLU gate: {fused}; "
+                f"fp32 linears of small steps: {small}; attention kernel: {self.kernel.describe()}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _packing_word(features: CpuFeatures, dtype: torch.dtype) -> str:
+    if features.packs(dtype):
+        return f"{_name(dtype)} yes"
+    word = f"{_name(dtype)} no ({features.packing_error(dtype)})"
+    if dtype == torch.bfloat16 and features.onednn_bf16_device is False:
+        word += " [torch's bf16 device check agrees]"
+    return word
+
+
+def _cpu_name() -> str:
+    try:
+        return str(torch.cpu.get_capabilities().get("cpu_name", ""))
+    except (AttributeError, RuntimeError):
+        return platform.processor()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:200]
+
+
+def probe_packed_linear(dtype: torch.dtype) -> str:
+    """Pack a small weight of `dtype` with oneDNN and run it; returns "" when the result equals F.linear exactly,
+    else why not. Small integer values keep every product and sum exact, so any difference is a real fault."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-2, 3, (8, 16), generator=g).to(dtype)
+    x = torch.randint(-2, 3, (3, 16), generator=g).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError) as err:
+        return _first_line(err)
+    if out.dtype != dtype or not torch.equal(out, F.linear(x, w)):
+        return "the packed result differs from F.linear"
+    return ""
+
+
+def probe_silu_gate(dtype: torch.dtype) -> str:
+    """Run the fused SiLU gate (the gate's matmul with a SiLU post-op, the up projection's with a `mul` post-op) on
+    small packed weights; returns "" when it matches silu(F.linear) * F.linear to fp32 rounding, else why not."""
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(24, 16, generator=g).to(dtype) for _ in range(2))
+    x = torch.randn(5, 16, generator=g).to(dtype)
+    try:
+        gated = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(gate, PACK_BATCH_HINT), None, "swish", [], "")
+        out = torch.ops.mkldnn._linear_pointwise.binary(
+            x, gated, torch.ops.mkldnn._reorder_linear_weight(up, PACK_BATCH_HINT), None, "mul")
+    except (RuntimeError, AttributeError, NotImplementedError) as err:
+        return _first_line(err)
+    if out.dtype != dtype or not torch.allclose(out, F.silu(F.linear(x, gate)) * F.linear(x, up), rtol=1e-5,
+                                                atol=1e-6):
+        return "the fused result differs from silu(F.linear) * F.linear"
+    return ""
+
+
+def _intel(cpu_name: str) -> bool:
+    return "intel" in cpu_name.lower()
+
+
+def unpacked_max_rows(cpu_name: str, mkl_packed: bool = False) -> int:
+    """How many rows a step may have for its fp32 linears to skip the packed copies (see UNPACKED_MAX_ROWS_INTEL):
+    $ROLLOUT_UNPACKED_MAX_ROWS when set, else UNPACKED_MAX_ROWS_MKL_PACKED where MKL packs the fp32 copies,
+    UNPACKED_MAX_ROWS_INTEL on another Intel CPU (by its CPUID name) with an MKL torch, else 0."""
+    value = os.environ.get(ENV_UNPACKED_MAX_ROWS, "").strip()
+    if value:
+        try:
+            rows = int(value)
+        except ValueError:
+            rows = -1
+        if rows < 0:
+            raise ValueError(f"{ENV_UNPACKED_MAX_ROWS}={value!r}: expected a row count >= 0 (0 keeps the packed "
+                             "copies for every step)")
+        return rows
+    if mkl_packed:
+        return UNPACKED_MAX_ROWS_MKL_PACKED
+    return UNPACKED_MAX_ROWS_INTEL if _intel(cpu_name) and torch.backends.mkl.is_available() else 0
+
+
+def mkl_packed_reason(cpu_name: str, packed_dtypes: frozenset[torch.dtype]) -> str:
+    """Why MKL's packed sgemm does not pack the fp32 linears here ("" where it does): where fp32 weights are packed at
+    all, on Intel CPUs (measured faster than oneDNN there; on AMD, MKL runs generic code paths) unless
+    ROLLOUT_MKL_PACKED=1 asks for it on any CPU (0: never)."""
+    if torch.float32 not in packed_dtypes:
+        return "fp32 linears are not packed here"
+    if not _intel(cpu_name) and not mkl_packed.forced():
+        return f"not an Intel CPU ({mkl_packed.ENV_SWITCH}=1 uses it anyway)"
+    return mkl_packed.unavailable_reason()
+
+
+def _onednn_bf16_device() -> bool | None:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def detect() -> CpuFeatures:
+    """Probe everything now (uncached): the packed linears per dtype and the attention kernel build."""
+
+    onednn = torch.backends.mkldnn.is_available()
+    errors = {_name(d): probe_packed_linear(d) if onednn else "torch built without oneDNN" for d in PROBE_DTYPES}
+    packed = frozenset(d for d in PROBE_DTYPES if not errors[_name(d)])
+    cpu_name = _cpu_name()
+    mkl_reason = mkl_packed_reason(cpu_name, packed)
+    silu_gate = frozenset(d for d in SILU_GATE_DTYPES if d in packed and not probe_silu_gate(d))
+    return CpuFeatures(
+        machine=platform.machine(), cpu_name=cpu_name, isa=isa_flags(),
+        torch_capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn,
+        onednn_bf16_device=_onednn_bf16_device(),
+        packed_dtypes=packed, packing_errors=tuple((name, why) for name, why in errors.items() if why),
+        silu_gate_dtypes=silu_gate, unpacked_max_rows=unpacked_max_rows(cpu_name, not mkl_reason),
+        kernel=kernel_build(), mkl_packed=not mkl_reason, mkl_packed_reason=mkl_reason)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> CpuFeatures:
+    """This process's CpuFeatures, detected on first use (which logs the one-line summary at INFO)."""
+    features = detect()
+    logger.info("CPU fast paths: %s", features.describe())
+    return features

@@ -1,0 +1,488 @@
+"""Prepacked copies of the model's fp32/bf16 linear weights (oneDNN's, or for fp32 on Intel CPUs MKL's), used for the
+engine's forward on CPU.
+
+Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
+into its blocked layout is faster at the batch sizes that carry the work (about 1.3x at 256 rows and 2x at 16 rows on
+a 2-core AVX-512 EPYC, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts). On Intel
+CPUs MKL's own packed sgemm (mkl_packed.py) is faster still at every row count from 3 up, so it packs the fp32 copies
+there. Below that, the weights' streaming from memory decides: on Intel CPUs MKL's sgemv serves steps of 1-2 rows,
+and where oneDNN packs fp32 on AVX-512 builds, steps of 3-8 rows run the C kernel csrc/small_matmul.c
+(cpu_features.UNPACKED_MAX_ROWS_*, SMALL_MATMUL_ROWS). Packed copies of weights stacked along their output rows
+(`stacked_for`) serve the compiled forward's linears of one input as one matmul, and with MKL's copies a gated MLP's
+gate and up projections.
+bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
+a long run); packed and bucketed (below) it is a little faster and bounded.
+
+How, without changing the model: around the engine's forward only, each plain `nn.Linear` gets an instance-level
+`forward` that uses the packed copy, removed again right after; the override also checks that it runs on the thread
+of the engine's forward, so a trainer running the same module concurrently keeps `F.linear` (and its autograd). A
+recognized SiLU-gated MLP (silu_gate.py) gets one too, running its gate and up projections as one fused pair of
+packed matmuls. A TorchFunctionMode would do the same without touching instances, but it taxes every op of the
+forward (about 8% of a W1 run). Copies are keyed by the weight tensor and its version counter, so an optimizer step
+on a shared module (in-place writes bump the counter) refreshes it on the next forward; writes through `.data` do
+not bump it, so every weight update through the engine (`set_weight_version`, which `update_weights` calls) marks
+all copies stale. A stale copy is refreshed in place, in its existing buffer, by strided copies along the layout
+packed_layout.py derived and verified for its shape and dtype (for W1 in fp32: 7.3 ms instead of 49 ms for a full
+repack, see benchmarks/RESULTS.md); where no layout could be verified it is repacked in full. MKL's copies are
+repacked in their own buffers (W1's in 19-22 ms on a 2-core Ice Lake Xeon, where oneDNN's in-place refresh took 29-41
+ms). A freed weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost
+is one extra copy of the linear weights in RAM.
+
+Which dtypes: decided once per process by cpu_features.py, which packs a small weight of each dtype and checks the
+result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
+keep `F.linear` (the same tokens, unpacked) while fp32 ones are packed. An explicit `prepack_weights=True` for a
+model whose dtype cannot be packed here is a ValueError (require_packing) rather than a silent no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollout.engine.cpu import kernel as cpu_kernel
+from rollout.engine.cpu import mkl_packed, packed_layout
+from rollout.engine.cpu.features import PACK_BATCH_HINT, SMALL_MATMUL_ROWS, cpu_features, unpacked_max_rows
+from rollout.engine.cpu.mkl_packed import MklPackedWeight
+from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
+
+# oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to a bucket (powers of
+# two up to ROW_BUCKET, then multiples of ROW_BUCKET up to PACK_BATCH_HINT, then of WIDE_ROW_BUCKET: 63 up to 2,048
+# rows) and inputs over PACKED_MAX_ROWS run as chunks, so a long run sees a bounded set of shapes. Multiples of 8
+# rather than 16 below 256 rows: a 17-128-token prefill is padded by 3.4 rows on average instead of 7.1, and ran 3.6%
+# faster (W1, paired by prompt length, compile level 1) for ~3 MiB of oneDNN state per added row count (45 MiB for
+# the 16 added, W1's shapes). A prefill runs as one matmul rather than 256-row chunks: 2,016 rows of W1's MLP took
+# 14.4 ms as chunks joined by `cat` and 13.1 ms in one call (its 512-wide projections 5.8 vs 4.7 ms): the join is a
+# copy of the whole output.
+PACKED_MAX_ROWS = 2048
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+ROW_BUCKET = 8
+WIDE_ROW_BUCKET = 64  # the compiled forward's default query padding: its steps are already buckets, never copied
+
+
+def _linear_pointwise(*args):
+    """oneDNN's packed matmul; looked up on first use (a torch build without oneDNN never calls it)."""
+    global _LINEAR_POINTWISE
+    _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+    return _LINEAR_POINTWISE(*args)
+
+
+_LINEAR_POINTWISE = _linear_pointwise  # the op itself after the first call: one attribute lookup less per matmul
+
+
+def _linear_binary(*args):
+    """oneDNN's packed matmul with a binary post-op (`mul`: the result times `other`), looked up on first use."""
+    global _LINEAR_BINARY
+    _LINEAR_BINARY = torch.ops.mkldnn._linear_pointwise.binary
+    return _LINEAR_BINARY(*args)
+
+
+_LINEAR_BINARY = _linear_binary
+
+
+def padded_rows(rows: int) -> int:
+    """The bucket a row count is padded to: a power of two up to ROW_BUCKET, then a multiple of ROW_BUCKET up to
+    PACK_BATCH_HINT, then a multiple of WIDE_ROW_BUCKET (a wide step wastes at most 63 rows, under 1/4 of its work)."""
+    if rows <= ROW_BUCKET:
+        return 1 << (rows - 1).bit_length()
+    step = ROW_BUCKET if rows <= PACK_BATCH_HINT else WIDE_ROW_BUCKET
+    return -(-rows // step) * step
+
+
+def packing_available(dtype: torch.dtype | None = None) -> bool:
+    """Whether oneDNN's packed linear works here for `dtype` (None: for any of PACKED_DTYPES), as probed once per
+    process by cpu_features()."""
+    packed = cpu_features().packed_dtypes
+    return bool(packed) if dtype is None else dtype in packed
+
+
+def _linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """The PACKED_DTYPES among the CPU weights of the plain nn.Linears that PackedLinears would serve."""
+    return {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
+            and type(m).forward is torch.nn.Linear.forward and m.weight.device.type == "cpu"
+            and m.weight.dtype in PACKED_DTYPES}
+
+
+def require_packing(model: torch.nn.Module) -> None:
+    """For an explicit prepack_weights=True: a ValueError saying what is missing when this torch build or CPU cannot
+    pack the model's linear weights (None packs what it can and leaves the rest on F.linear)."""
+    features = cpu_features()
+    if not features.onednn:
+        raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
+                         "leave it None to use packing only where it is available")
+    missing = sorted(_linear_dtypes(model) - features.packed_dtypes, key=str)
+    if missing:
+        dtype = missing[0]
+        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT)" \
+            if dtype == torch.bfloat16 else ""
+        raise ValueError(f"prepack_weights=True, but oneDNN cannot pack {dtype} linear weights on this CPU{need}: "
+                         f"{features.packing_error(dtype)}. Leave prepack_weights None to pack only the dtypes this "
+                         f"CPU supports ({dtype} linears then run on F.linear), or set it to False")
+
+
+def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The values a packed copy holds: one weight, or several stacked along their output rows."""
+    return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+
+
+@dataclass
+class _Pack:
+    """The packed copy of one weight, or of several weights with one input stacked along their output rows (a
+    layer's q, k and v projections: one matmul instead of three), and what it was packed from."""
+
+    refs: tuple[weakref.ref, ...]  # the weights (the death of any drops this entry)
+    data_ptrs: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    versions: tuple[int, ...]  # the weights' version counters when packed
+    epoch: int  # PackedLinears._epoch when packed (clear() bumps it: writes through .data bump no version)
+    packed: torch.Tensor | MklPackedWeight  # oneDNN's blocked copy, or MKL's (fp32 where cpu_features says so)
+    # once refreshed in place: the verified layout of `packed` and its memory as a flat tensor (an alias of it)
+    layout: packed_layout.BlockedLayout | None = None
+    buffer: torch.Tensor | None = None
+
+    def current(self, weights: tuple[torch.Tensor, ...], epoch: int) -> bool:
+        return self.epoch == epoch and all(w._version == v for w, v in zip(weights, self.versions))
+
+    def same_tensors(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Whether `weights` are the tensors packed, with the same storage, shapes and dtype (their values may
+        differ)."""
+        return len(weights) == len(self.refs) and all(
+            ref() is w and ptr == w.data_ptr() and shape == tuple(w.shape) and w.dtype == self.dtype
+            for ref, ptr, shape, w in zip(self.refs, self.data_ptrs, self.shapes, weights))
+
+    def refresh_in_place(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Write the new values of `weights` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
+        them out (MKL's copies: repacked into their own buffer); False, with nothing written, where no verified layout
+        fits (the caller then repacks in full)."""
+        if isinstance(self.packed, MklPackedWeight):
+            with torch.no_grad():
+                self.packed.repack(_stacked(weights))
+            self.versions = tuple(w._version for w in weights)
+            return True
+        if self.buffer is None:
+            shape = (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
+            layout = packed_layout.layout_for(shape, self.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
+            buffer = layout.buffer(self.packed) if layout is not None else None
+            if buffer is None:
+                return False
+            self.layout, self.buffer = layout, buffer
+        with torch.no_grad():
+            self.layout.write_flat(self.buffer, _stacked(weights))
+        self.versions = tuple(w._version for w in weights)
+        return True
+
+
+class PackedLinears:
+    """Context manager around the engine's forward: plain fp32/bf16 CPU `nn.Linear`s of `model` run on packed
+    weights."""
+
+    def __init__(self, model: torch.nn.Module, dtypes: frozenset[torch.dtype] | None = None,
+                 mkl: bool | None = None) -> None:
+        self.model = model
+        # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu_features.py)
+        self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
+        self._packs: dict[int, _Pack] = {}  # by id(weight)
+        # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own
+        self._stacks: dict[tuple[int, ...], _Pack] = {}
+        self._epoch = 0
+        self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
+        self._active = threading.local()
+        self._pads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        # the per-forward lookup: id(weight) -> packed copy, and what it was built from (epoch; module, weight,
+        # version per target), so a forward checks versions instead of re-deriving each copy
+        self._table: dict[int, torch.Tensor] = {}
+        self._checked: tuple[int, list] | None = None
+        # Set by use_mkl: `mkl`, fp32 weights packed by MKL rather than oneDNN (mkl_packed.py; None: where
+        # cpu_features says so); `gate_dtypes`, whose gated MLPs run gate and up as one op (oneDNN's fused pair,
+        # MKL's stacked copy); `unpacked_max_rows`, fp32 inputs of at most this many rows skip the packed copies:
+        # F.linear (MKL's sgemv, cpu_features.unpacked_max_rows) or, from SMALL_MATMUL_ROWS[0] rows on,
+        # `small_matmul`, the small-rows kernel where it is built (not with MKL's copies: those are faster there).
+        self.use_mkl(cpu_features().mkl_packed if mkl is None else mkl)
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._pack_of((weight,), self._packs, id(weight))
+
+    def _pack_of(self, weights: tuple[torch.Tensor, ...], store: dict, key) -> torch.Tensor:
+        """The current packed copy of `weights` (stacked when several) kept in `store[key]`: reused, refreshed in
+        place, or packed anew."""
+        entry = store.get(key)
+        if entry is not None and entry.same_tensors(weights):
+            if entry.current(weights, self._epoch):
+                return entry.packed
+            if entry.refresh_in_place(weights):
+                entry.epoch = self._epoch
+                return entry.packed
+        packed = self._new_pack(_stacked(weights))
+        refs = tuple(weakref.ref(w, lambda _: store.pop(key, None)) for w in weights)  # a freed weight frees it
+        store[key] = _Pack(refs, tuple(w.data_ptr() for w in weights), tuple(tuple(w.shape) for w in weights),
+                           weights[0].dtype, tuple(w._version for w in weights), self._epoch, packed)
+        return packed
+
+    def use_mkl(self, enabled: bool) -> None:
+        """Pack fp32 weights with MKL (where it works) or oneDNN from the next forward on, with the small-step rules
+        of that choice; the current copies are dropped (benchmarks compare the two on one engine)."""
+        if enabled and not mkl_packed.available():
+            raise ValueError(f"MKL's packed sgemm is unavailable here: {mkl_packed.unavailable_reason()}")
+        features = cpu_features()
+        self.mkl = enabled and torch.float32 in self.dtypes
+        self.gate_dtypes = features.gate_dtypes_for(self.mkl)
+        self.small_matmul = features.small_matmul_kernel and torch.float32 in self.dtypes and not self.mkl
+        self.unpacked_max_rows = max(unpacked_max_rows(features.cpu_name, self.mkl),
+                                     SMALL_MATMUL_ROWS[1] if self.small_matmul else 0)
+        self._packs.clear()
+        self._stacks.clear()
+        self._overrides = self._checked = None
+
+    def _new_pack(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
+        if self.mkl and values.dtype == torch.float32:
+            return MklPackedWeight(values)
+        return torch.ops.mkldnn._reorder_linear_weight(values, PACK_BATCH_HINT)
+
+    def clear(self) -> None:
+        """New weights are in place (writes through `.data` bump no version counter): mark every packed copy stale
+        (the next forward refreshes those it uses, in place), drop the copies of weights no longer in the model,
+        and forget the module list."""
+        self._epoch += 1
+        self._pads.clear()
+        self._overrides = None
+        self._checked = None
+        live = {id(module.weight) for module, _ in self._linear_targets()}
+        for key in [key for key in self._packs if key not in live]:
+            del self._packs[key]
+        for key in [key for key in self._stacks if not live.issuperset(key)]:
+            del self._stacks[key]
+
+    def prepare(self) -> None:
+        """Pack (or refresh) now every weight the next forward would pack, so that forward pays nothing for it."""
+        with torch.no_grad():
+            stacked = self._stacked_ids()
+            for module, _ in self._linear_targets():
+                weight = module.weight
+                if self._packable(weight) and id(weight) not in stacked:
+                    self._packed(weight)
+            for key, entry in list(self._stacks.items()):
+                weights = tuple(ref() for ref in entry.refs)
+                if all(w is not None for w in weights):
+                    self._pack_of(weights, self._stacks, key)
+
+    def _stacked_ids(self) -> set[int]:
+        return {i for key in self._stacks for i in key}
+
+    def _packable(self, weight: torch.Tensor) -> bool:
+        return weight.dtype in self.dtypes and weight.device.type == "cpu" and weight.layout == torch.strided
+
+    def _pad_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable input buffer per bucket. Its tail rows hold whatever earlier calls left: matmul rows are
+        independent, and the outputs of padding rows are cut off."""
+        buf = self._pads.get((rows, width, dtype))
+        if buf is None:
+            buf = self._pads[(rows, width, dtype)] = torch.zeros(rows, width, dtype=dtype)
+        return buf
+
+    def _padded(self, flat: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`compute` on `flat` with its rows padded up to their bucket (the padding rows' outputs cut off)."""
+        rows, padded = flat.shape[0], padded_rows(flat.shape[0])
+        if padded != rows:
+            buf = self._pad_buffer(padded, flat.shape[1], flat.dtype)
+            buf[:rows].copy_(flat)
+            return compute(buf)[:rows]
+        return compute(flat.contiguous())
+
+    def _row_wise(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`compute` (rows in, rows out) over the rows of `x`, in chunks of at most PACKED_MAX_ROWS rows."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= PACKED_MAX_ROWS:
+            out = self._padded(flat, compute)
+        else:
+            out = torch.cat([self._padded(chunk, compute) for chunk in flat.split(PACKED_MAX_ROWS)])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def run(self, x: torch.Tensor, packed: torch.Tensor | MklPackedWeight,
+            bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W.T + bias` on the packed copy of W (from `packed_for`)."""
+        if isinstance(packed, MklPackedWeight):
+            return packed.linear(x, bias)  # any row count: no padding, no chunks
+        return self._row_wise(x, lambda rows: _LINEAR_POINTWISE(rows, packed, bias, "none", [], ""))
+
+    def run_silu_gate(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor] | MklPackedWeight,
+                      gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:
+        """`silu(x @ Wg.T + bg) * (x @ Wu.T + bu)` on the packed copies from `silu_gate_for`. oneDNN's pair: the SiLU
+        is a post-op of the gate's matmul and the product a post-op of the up projection's, so the gated MLP's two
+        `[rows, intermediate]` activations are never read back by separate passes (W1's MLP at 2,048 rows: 30 ms
+        instead of 40 ms per layer). MKL's copy of the two weights stacked: one matmul, then the SiLU and product."""
+        if isinstance(packed, MklPackedWeight):
+            bias = None if gate_bias is None and up_bias is None else torch.cat(
+                [b if b is not None else x.new_zeros(packed.out_features // 2) for b in (gate_bias, up_bias)])
+            gate, up = packed.linear(x, bias).chunk(2, dim=-1)
+            return F.silu(gate).mul_(up)
+        gate_packed, up_packed = packed
+
+        def compute(rows: torch.Tensor) -> torch.Tensor:
+            gated = _LINEAR_POINTWISE(rows, gate_packed, gate_bias, "swish", [], "")
+            return _LINEAR_BINARY(rows, gated, up_packed, up_bias, "mul")
+        return self._row_wise(x, compute)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` through the packed copy of `weight` (packed or refreshed now if needed)."""
+        return self.run(x, self._packed(weight), bias)
+
+    def unpacked_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` where no packed copy serves it (`packed_for` gave None); inside a forward on
+        this thread, fp32 inputs of SMALL_MATMUL_ROWS rows run the small-rows kernel on the weight as stored."""
+        if self._small_matmul_serves(x, weight, bias):
+            return cpu_kernel.small_matmul(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def _small_matmul_serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if not (self.small_matmul and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel()):
+            return False
+        if getattr(self._active, "table", None) is None or weight.device.type != "cpu" or not weight.is_contiguous():
+            return False  # not this thread's forward (a trainer's keeps F.linear and its autograd), or a view
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return False
+        return SMALL_MATMUL_ROWS[0] <= x.numel() // x.shape[-1] <= SMALL_MATMUL_ROWS[1]
+
+    def packed_for(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Inside a forward on this thread (`with linears:` or `serving()`): the packed copy that serves
+        `linear(x, weight)`, or None where F.linear must (another thread, an input not of the weight's dtype, an
+        empty input, a weight not packed: not a strided CPU weight of a packed dtype) or is faster (an fp32 input of
+        at most `unpacked_max_rows` rows). The weights are checked once per forward rather than per call, in
+        `_begin`."""
+        table = getattr(self._active, "table", None)
+        if table is None:
+            return None
+        packed = table.get(id(weight))
+        return packed if packed is not None and self._packed_input(x, weight.dtype) else None
+
+    def _packed_input(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether packed copies of weights of `dtype` serve input `x`: not for another dtype or an empty input, nor
+        for fp32 inputs of at most `unpacked_max_rows` rows (`unpacked_linear` is faster there)."""
+        if x.dtype != dtype or not x.numel():
+            return False
+        return x.dtype != torch.float32 or x.numel() > self.unpacked_max_rows * x.shape[-1]
+
+    def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that
+        their linears of the one input `x` run as one matmul (`run`, then split the columns); None where they must
+        run apart (the conditions of `packed_for`). The first call packs the stack and drops the members' own packed
+        copies: a member called alone later runs unpacked (`unpacked_linear`)."""
+        stacked = getattr(self._active, "stacked", None)
+        if stacked is None or not self._packed_input(x, weights[0].dtype):
+            return None
+        key = tuple(map(id, weights))
+        packed = stacked.get(key)
+        if packed is None:
+            if not all(self._packable(w) and w.dtype == x.dtype for w in weights):
+                return None
+            fresh = key not in self._stacks
+            with torch.no_grad():
+                packed = stacked[key] = self._pack_of(weights, self._stacks, key)
+            if fresh:
+                for w in weights:
+                    self._packs.pop(id(w), None)
+                self._checked = None  # the next forward's table leaves the members out
+        return packed
+
+    def silu_gate_for(self, x: torch.Tensor, gate_weight: torch.Tensor,
+                      up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | MklPackedWeight | None:
+        """The packed copies that serve `run_silu_gate(x, ...)`: MKL's copy of both weights stacked (`stacked_for`),
+        or oneDNN's two; None where the two linears must run apart: either is not packed here (see `packed_for`), or
+        this CPU's oneDNN failed the fused probe for the dtype (cpu_features; fp32 only: bf16 keeps eager's rounding
+        of the gate before the SiLU)."""
+        if x.dtype not in self.gate_dtypes:
+            return None
+        if self.mkl and x.dtype == torch.float32:
+            if gate_weight.shape != up_weight.shape:
+                return None
+            return self.stacked_for(x, (gate_weight, up_weight))
+        gate, up = self.packed_for(x, gate_weight), self.packed_for(x, up_weight)
+        return None if gate is None or up is None else (gate, up)
+
+    def _begin(self) -> None:
+        """Make this thread's forward use the packed copies: every target weight checked (same tensor, current
+        version and epoch; a stale copy refreshed) once here, so that each call is one dict lookup."""
+        if self._checked is None or self._checked[0] != self._epoch or any(
+                module._parameters.get("weight") is not weight or weight._version != version
+                for module, weight, version in self._checked[1]):
+            self._build_table()
+        self._active.table = self._table
+        self._active.stacked = {}  # stacks checked in this forward
+
+    def _build_table(self) -> None:
+        with torch.no_grad():
+            checked, table, stacked = [], {}, self._stacked_ids()
+            for module, _ in self._linear_targets():
+                weight = module._parameters.get("weight")
+                if weight is not None and self._packable(weight):
+                    if id(weight) not in stacked:
+                        table[id(weight)] = self._packed(weight)
+                    checked.append((module, weight, weight._version))
+        self._table, self._checked = table, (self._epoch, checked)
+
+    def _end(self) -> None:
+        self._active.table = self._active.stacked = None
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[PackedLinears]:
+        """Serve `packed_for` on this thread (the compiled forward's op) without the modules' forward overrides."""
+        self._begin()
+        try:
+            yield self
+        finally:
+            self._end()
+
+    def _override(self, module: torch.nn.Linear):
+        this = weakref.proxy(self)  # no reference cycle: a dropped engine frees its packed copies at once
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight
+            packed = this.packed_for(x, weight)
+            if packed is None:
+                return this.unpacked_linear(x, weight, module.bias)
+            return this.run(x, packed, module.bias)
+        return forward
+
+    def _silu_gate_override(self, module: torch.nn.Module):
+        """The forward of a recognized SiLU-gated MLP (silu_gate.py): its gate and up projections as one fused
+        `run_silu_gate`, then its down projection (packed through its own override); its own forward otherwise."""
+        this = weakref.proxy(self)
+        own = type(module).forward
+
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            gate, up = module.gate_proj, module.up_proj
+            packed = None if args or kwargs else this.silu_gate_for(x, gate.weight, up.weight)
+            if packed is None:
+                return own(module, x, *args, **kwargs)
+            return module.down_proj(this.run_silu_gate(x, packed, gate.bias, up.bias))
+        return forward
+
+    def _targets(self) -> list[tuple[torch.nn.Module, object]]:
+        """(module, the forward it gets inside the engine's forward): every plain nn.Linear (a subclass with its own
+        forward is left alone), then every recognized SiLU-gated MLP where this CPU fuses the gate."""
+        if self._overrides is None:
+            modules = list(self.model.modules())
+            self._overrides = [(m, self._override(m)) for m in modules
+                               if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward]
+            if self.gate_dtypes & self.dtypes:
+                self._overrides += [(m, self._silu_gate_override(m)) for m in modules if is_silu_gated_mlp(m)]
+        return self._overrides
+
+    def _linear_targets(self) -> list[tuple[torch.nn.Linear, object]]:
+        return [(module, forward) for module, forward in self._targets() if isinstance(module, torch.nn.Linear)]
+
+    def __enter__(self) -> PackedLinears:
+        self._begin()
+        for module, forward in self._targets():
+            module.__dict__["forward"] = forward  # instance attribute: nn.Module.__call__ picks it up
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, _ in self._targets():
+            module.__dict__.pop("forward", None)
+        self._end()

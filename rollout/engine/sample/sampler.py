@@ -1,0 +1,149 @@
+"""Vectorized per-request sampling and the RL logprob contract.
+
+One pass over the `[rows, vocab]` logits applies each row's own logits processors (repetition penalty, logit bias,
+token masks, min-new-tokens, its own processors and structured-output grammar: see logits_processors.py), then
+temperature, top-k, top-p and min-p (transformers' order), then samples by inverse CDF. The uniform of a seeded row
+comes from a generator keyed by (seed, position) alone, so its tokens do not depend on the rest of the batch and
+repeat across runs.
+
+Per token it returns `logprobs` (under the processed, truncated, renormalised distribution actually sampled from),
+`policy_logprobs` (fp32 log_softmax(logits / T) of the raw logits over the full vocabulary: what a trainer
+recomputes) and `kept_logmass` (log of the policy mass that masks and truncation kept), so logprobs = policy_logprobs
+- kept_logmass whenever the processors only mask. A row whose processors fail is reported in `errors` instead.
+Rows that ask for `logprobs=k` also get top-k alternatives and the raw logprob (see top_logprobs.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rollout.engine.sample.logits_processors import apply_processors
+from rollout.engine.sample.resolve import ResolvedSampling
+from rollout.engine.sample.rows import SampleResult, SampleRow
+from rollout.engine.sample.structured_output import GrammarMasker
+from rollout.engine.sample.top_logprobs import token_alternatives
+from rollout.seeding import SeedStream, derive_seed
+
+_NEG_INF = float("-inf")
+
+
+def keyed_uniforms(keys: list[int]) -> np.ndarray:
+    """One uniform in [0, 1) per key: the splitmix64 finaliser (a counter-based generator), vectorized over rows.
+
+    A torch.Generator per seeded row cost microseconds of Python each; this is one numpy pass with 53-bit results.
+    """
+    z = np.array(keys, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+class Sampler:
+    """Stateless except for the generator that feeds unseeded rows and the grammar masker's reused bitmask."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        self.grammar = GrammarMasker()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        logits = logits.float()
+        num_rows = logits.shape[0]
+        if num_rows == 0:
+            return SampleResult([], [], [], [])
+        params = [r.sampling for r in rows]
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+        temps = torch.tensor([1.0 if p.greedy or p.temperature == 0 else p.temperature for p in params])[:, None]
+
+        unit = bool((temps == 1.0).all())
+        policy = torch.log_softmax(logits if unit else logits / temps, dim=-1)
+        processed = apply_processors(logits, rows, self.grammar)
+        scaled = processed.logits if unit else processed.logits / temps
+        keep = self._truncation_mask(scaled, params)
+        if keep is not None:
+            sample_lp = torch.log_softmax(scaled.masked_fill(~keep, _NEG_INF), dim=-1)
+        elif len(processed.touched) == num_rows:
+            sample_lp = torch.log_softmax(scaled, dim=-1)
+        elif processed.touched:  # only the processed rows differ from the policy
+            idx = torch.tensor(processed.touched, device=logits.device)
+            sample_lp = policy.index_copy(0, idx, torch.log_softmax(scaled[idx], dim=-1))
+        else:
+            sample_lp = policy  # nothing touched: the policy is what gets sampled
+
+        tokens = self._draw(sample_lp, rows, greedy)
+        idx = tokens[:, None]
+        logprobs = sample_lp.gather(1, idx).squeeze(1)
+        policy_lp = policy.gather(1, idx).squeeze(1)
+        kept = self._kept_logmass(policy, sample_lp, params, processed.narrowed, keep is not None)
+        # Greedy samples a point mass: logprob 0, and the kept mass is the chosen token's policy probability.
+        logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
+        kept = torch.where(greedy, policy_lp, kept)
+        alternatives = token_alternatives(logits, policy, sample_lp, tokens, rows, temps)
+        return SampleResult(tokens.tolist(), logprobs.tolist(), policy_lp.tolist(), kept.tolist(), processed.errors,
+                            alternatives)
+
+    @staticmethod
+    def _kept_logmass(policy: torch.Tensor, sample_lp: torch.Tensor, params: list[ResolvedSampling],
+                      narrowed: list[int], truncation: bool) -> torch.Tensor:
+        """Log of the policy mass on the tokens a row could sample; exactly 0 for rows nothing narrowed."""
+        rows = {i for i, p in enumerate(params) if p.truncates and not p.greedy} if truncation else set()
+        rows.update(narrowed)
+        kept = torch.zeros(len(params), device=policy.device)
+        if len(rows) == len(params):
+            kept = torch.logsumexp(policy.masked_fill(torch.isinf(sample_lp), _NEG_INF), dim=-1)
+        elif rows:
+            idx = torch.tensor(sorted(rows), device=policy.device)
+            kept[idx] = torch.logsumexp(policy[idx].masked_fill(torch.isinf(sample_lp[idx]), _NEG_INF), dim=-1)
+        return kept
+
+    @staticmethod
+    def _truncation_mask(scaled: torch.Tensor, params: list[ResolvedSampling]) -> torch.Tensor | None:
+        """Tokens each row keeps after top-k, top-p (on the top-k survivors) and min-p; None if nobody truncates."""
+        if not any(p.truncates and not p.greedy for p in params):
+            return None
+        vocab = scaled.shape[1]
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params])
+        top_p = torch.tensor([p.top_p if not p.greedy else 1.0 for p in params])
+        min_p = torch.tensor([p.min_p if not p.greedy else 0.0 for p in params])
+
+        sorted_vals, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        kth = sorted_vals.gather(1, (top_k - 1)[:, None])
+        keep_sorted = sorted_vals >= kth  # ties with the k-th value are kept, as in transformers
+        probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
+        keep_sorted &= (before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1.0)
+        if bool((min_p > 0).any()):
+            probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
+            keep_sorted &= (probs >= min_p[:, None] * probs[:, :1]) | (ranks == 0)
+        return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+    # ------------------------------------------------------------------ drawing
+    def _draw(self, sample_lp: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF sampling with one uniform per row: the first token whose cumulative probability exceeds u.
+
+        A seeded row draws u from a counter-based generator keyed by (seed, position), so its token depends on nothing
+        else in the batch. One uniform per row (not one per vocabulary entry) keeps the cost of randomness negligible.
+        """
+        num_rows = sample_lp.shape[0]
+        if bool(greedy.all()):
+            return torch.argmax(sample_lp, dim=-1)
+        uniforms = torch.zeros(num_rows, dtype=torch.float64)
+        unseeded = [i for i, r in enumerate(rows) if r.sampling.seed is None and not r.sampling.greedy]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=torch.float64)
+        seeded = [i for i, r in enumerate(rows) if r.sampling.seed is not None and not r.sampling.greedy]
+        if seeded:
+            keys = [derive_seed(rows[i].sampling.seed, len(rows[i].tokens), SeedStream.NOISE) for i in seeded]
+            uniforms[seeded] = torch.from_numpy(keyed_uniforms(keys))
+        cdf = sample_lp.exp().cumsum(dim=-1, dtype=torch.float64)
+        threshold = uniforms[:, None] * cdf[:, -1:]  # scaled by the row's total: robust to rounding in the sum
+        drawn = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
+        # u * total < total, so a token is always found; the clamp only guards the last ulp.
+        drawn = drawn.clamp_max(sample_lp.shape[1] - 1)
+        if bool(greedy.any()):
+            drawn = torch.where(greedy, torch.argmax(sample_lp, dim=-1), drawn)
+        return drawn
