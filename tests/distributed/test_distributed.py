@@ -14,7 +14,7 @@ import torch
 ray = pytest.importorskip("ray", reason="the RolloutPool tests need Ray: pip install 'rollout[ray]'")
 
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams, WeightUpdateError  # noqa: E402
-from rollout.distributed import RolloutPool  # noqa: E402
+from rollout.distributed import RolloutPool, init_local_ray  # noqa: E402
 from tests.helpers.models import perturbed, random_prompts, tiny_model  # noqa: E402
 from tests.helpers.tokenizers import tiny_tokenizer  # noqa: E402
 from tests.helpers.waiting import HANG_GUARD_S, FakeClock, wait_for  # noqa: E402
@@ -28,7 +28,7 @@ POOL_SEED = 7
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
