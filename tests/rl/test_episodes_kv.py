@@ -44,7 +44,7 @@ def test_a_continuation_prefills_only_what_was_appended(model, prompt_len):
     engine.add_request(prompt, "a", GREEDY, keep_kv=True)
     first = _run(engine)["a"]
     before = engine.stats()
-    assert before.used_blocks == engine.scheduler.blocks_for(prompt_len + 4)  # held for the continuation
+    assert before.used_blocks == engine.scheduler.kv.blocks_for(prompt_len + 4)  # held for the continuation
     appended = [7, 8, 9]
     conversation = prompt + first.generated_tokens + appended
     engine.add_request(conversation, "b", GREEDY, continues="a")

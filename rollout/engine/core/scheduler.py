@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from rollout.engine.core.block_pool import BlockPool, hash_chain
-from rollout.engine.core.kept_kv import KeptSequences
+from rollout.engine.core.block_pool import BlockPool
+from rollout.engine.core.kv_manager import CopyBlock, KVManager
 from rollout.engine.core.request import ErrorKind, Request, RequestOutput, RequestStatus
 from rollout.engine.core.sequence_group import SequenceGroup
 from rollout.engine.core.step import StepPlan
@@ -27,9 +27,6 @@ from rollout.engine.sample.prompt_logprobs import PromptLogprobs
 from rollout.engine.sample.rows import SampleResult
 
 logger = logging.getLogger(__name__)
-
-
-CopyBlock = Callable[[int, int, int], None]  # (source block, target block, tokens): copies KV for a fork
 
 
 def _prefill_key(request: Request) -> tuple:
@@ -42,7 +39,7 @@ def _prefill_key(request: Request) -> tuple:
 
 
 class Scheduler:
-    """Owns every live request, the waiting queue and the running list; allocates blocks through the pool.
+    """Owns every live request, the waiting queue and the running list; their blocks are the KVManager's.
 
     Sequences of one prompt share its prefill: the queued leader runs the prompt and the others (`_forks`) fork off it
     when its first token is sampled. Identical prompts queued by other requests join a leader that has not started yet
@@ -52,6 +49,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, page_size: int, max_batch_tokens: int, max_requests_per_batch: int,
                  policy: str = "fifo", safety_margin: float = 0.0, stop: StopChecker | None = None,
                  copy_block: CopyBlock | None = None, share_prefills: bool = True) -> None:
+        self.kv = KVManager(pool, page_size, copy_block)
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -59,7 +57,6 @@ class Scheduler:
         self.policy = policy
         self.safety_margin = safety_margin
         self.stop = stop or StopChecker()
-        self.copy_block = copy_block
         self.share_prefills = share_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -72,7 +69,6 @@ class Scheduler:
         self._leader_of: dict[Request, Request] = {}
         self._open: dict[tuple[int, ...], Request] = {}  # prompt -> queued leader identical prompts may join
         self._outbox: list[RequestOutput] = []  # outputs produced between two updates (failures, cancels)
-        self.kept = KeptSequences()  # finished sequences holding their KV for a continuation (see kept_kv)
         self.weight_version = 0
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prefill entries cut short by the budget or memory
@@ -100,7 +96,7 @@ class Scheduler:
             self.requests[member.request_id] = member
             self._group_of[member] = group
         self.counters["prompt_tokens"] += len(group.leader.prompt_ids)
-        continued = continues is not None and self._adopt_kept(group.leader, continues)
+        continued = continues is not None and self.kv.adopt_kept(group.leader, continues)
         key = None if continued else _prefill_key(group.leader)
         leader = self._open.get(key) if key is not None else None
         if leader is not None:
@@ -128,9 +124,6 @@ class Scheduler:
     def take_outputs(self) -> list[RequestOutput]:
         outputs, self._outbox = self._outbox, []
         return outputs
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
 
     # --------------------------------------------------------------- the step
     def schedule(self) -> StepPlan:
@@ -164,31 +157,25 @@ class Scheduler:
             if budget[0] <= 0 or len(plan) >= self.max_requests_per_batch:
                 return
             num = min(request.num_pending, budget[0])
-            num = self._reserve(request, num, plan, scheduled)
+            num = self._reserve(request, num, scheduled)
             if num == 0:
                 continue
             self._plan_add(plan, request, num)
             scheduled.add(id(request))
             budget[0] -= num
 
-    def _reserve(self, request: Request, num: int, plan: StepPlan, scheduled: set[int]) -> int:
-        """Make room in the block table for `num` more tokens, preempting or shrinking the chunk; 0 if impossible."""
+    def _reserve(self, request: Request, num: int, scheduled: set[int]) -> int:
+        """Make room for `num` more tokens of `request`, shrinking a prefill chunk to what fits or preempting
+        later arrivals; returns the tokens it may run (0 if impossible)."""
         while True:
-            needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
-            self._release_kept_for(needed)
-            if needed <= self.pool.num_free:
-                if needed > 0:
-                    request.block_table.extend(self.pool.allocate(needed))
-                return num
-            if request.num_pending > 1:  # a prefill chunk can shrink to what fits
-                room = (len(request.block_table) + self.pool.num_free) * self.page_size - request.num_computed
-                if room > 0:
-                    num = min(num, room)
-                    continue
+            fits = self.kv.fit(request, num)
+            if fits == num or (fits > 0 and request.num_pending > 1):  # a prefill chunk can shrink to what fits
+                self.kv.allocate(request, fits)
+                return fits
             victim = self._pick_victim(exclude=scheduled | {id(request)})
             if victim is None:
                 return 0
-            self._preempt(victim, plan)
+            self._preempt(victim)
 
     def _pick_victim(self, exclude: set[int]) -> Request | None:
         for request in reversed(self.running):  # lowest priority = latest arrival = end of the list
@@ -196,68 +183,48 @@ class Scheduler:
                 return request
         return None
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Free the request's blocks and requeue it at the front; it recomputes prompt + generated later."""
-        self.running.remove(request)
-        self.release(request)
-        request.status = RequestStatus.PENDING
-        self.waiting.appendleft(request)
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks for others; it recomputes prompt + generated later."""
+        self._requeue(request)
         self.num_preemptions += 1
         logger.debug("preempted %s to free KV blocks", request.request_id)
+
+    def _requeue(self, request: Request) -> None:
+        """Send a running request back to the front of the queue without its KV."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
 
     def _admit_waiting(self, plan: StepPlan, budget: list[int]) -> None:
         reserve = self.safety_margin * self.pool.num_blocks
         while self.waiting and budget[0] > 0 and len(plan) < self.max_requests_per_batch:
             request = self.waiting[0]
             if self.running:
-                self._release_kept_for(reserve)
+                self.kv.free_kept_for(reserve)
                 if self.pool.num_free < reserve:
                     return
-            if self.blocks_for(len(request.tokens) + 1) > self.pool.num_blocks:
-                error = (f"needs {self.blocks_for(len(request.tokens) + 1)} KV blocks of {self.page_size} tokens but "
-                         f"the cache has only {self.pool.num_blocks}; raise num_blocks (or page_size) in "
+            if not self.kv.fits_ever(len(request.tokens) + 1):
+                error = (f"needs {self.kv.blocks_for(len(request.tokens) + 1)} KV blocks of {self.page_size} tokens "
+                         f"but the cache has only {self.pool.num_blocks}; raise num_blocks (or page_size) in "
                          "ContinuousBatchingConfig or shorten the prompt")
                 self._fail_with_forks(request, error, ErrorKind.CAPACITY)
                 continue
-            self._attach_prefix(request)
+            self.kv.attach_prefix(request, self.weight_version)
             num = min(request.num_pending, budget[0])
-            needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
-            self._release_kept_for(needed)
-            if needed > self.pool.num_free:
-                room = (len(request.block_table) + self.pool.num_free) * self.page_size - request.num_computed
-                if room <= 0 or (self.running and room < request.num_pending and room < budget[0]):
-                    # Wait for memory rather than start a prefill we would soon have to preempt.
-                    self.release(request)
-                    return
-                num = min(num, room)
-                needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
-            request.block_table.extend(self.pool.allocate(max(needed, 0)))
+            fits = self.kv.fit(request, num)
+            if fits < num and (fits == 0 or (self.running and fits < request.num_pending and fits < budget[0])):
+                # Wait for memory rather than start a prefill we would soon have to preempt.
+                self.kv.free(request)
+                return
+            num = fits
+            self.kv.allocate(request, num)
             self.waiting.popleft()
             self._close(request)  # it starts now: identical prompts arriving later queue a prefill of their own
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
             self._plan_add(plan, request, num)
             budget[0] -= num
-
-    def _attach_prefix(self, request: Request) -> None:
-        """Reuse cached blocks of the request's full-block prefix under the current weights."""
-        if request.block_table:
-            return  # it continues a kept sequence whose KV it holds already
-        request.kv_version = self.weight_version
-        request.block_hashes = hash_chain(request.tokens, self.page_size, self.weight_version)
-        request.num_hashed_blocks = 0
-        # Blocks whose logits a prompt logprob still needs are recomputed, not reused (see prompt_logprobs.py).
-        for key in request.block_hashes[:request.max_cached_tokens // self.page_size]:
-            block = self.pool.lookup(key)
-            if block is None:
-                break
-            request.block_table.append(block)
-        # Always leave at least one token to compute: it yields the logits for the next sample.
-        if len(request.block_table) * self.page_size >= len(request.tokens):
-            self.pool.release([request.block_table.pop()])
-        request.num_computed = len(request.block_table) * self.page_size
-        request.num_hashed_blocks = len(request.block_table)
-        request.num_prefix_hit_tokens = request.num_computed
 
     def _fail_unschedulable(self) -> None:
         """Nothing could run: the oldest running request cannot fit even alone. Fail it rather than spin."""
@@ -328,7 +295,7 @@ class Scheduler:
     def fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The forward of `plan` raised: unpublish its blocks and fail its requests (sequences waiting to fork off a
         failed prefill get a prefill of their own)."""
-        self.pool.unregister(plan.registered_blocks)
+        self.kv.unpublish(plan.registered_blocks)
         for req in plan.requests:
             self._hand_over(req)
             self._finish(req, RequestStatus.FAILED, "error", f"model forward failed: {error}", ErrorKind.FORWARD)
@@ -356,7 +323,7 @@ class Scheduler:
         self._forks.clear()
         self._leader_of.clear()
         self._open.clear()
-        self.release_all_kept()
+        self.kv.free_all_kept()
         for req in list(self.requests.values()):
             self._finish(req, RequestStatus.FAILED, "error", error, kind)
         return self.take_outputs()
@@ -370,10 +337,10 @@ class Scheduler:
         elif queued and req in self.waiting:
             self.waiting.remove(req)
             self._close(req)  # only a queued leader can still be open to identical prompts
-        if self.kept.keeps(req) and status == RequestStatus.FINISHED:
-            self._park(req)
+        if self.kv.kept.keeps(req) and status == RequestStatus.FINISHED:
+            self.kv.park(req)
         else:
-            self.release(req)
+            self.kv.free(req)
         req.finish(status, reason, f"request {req.request_id!r}: {error}" if error else None, kind)
         self.requests.pop(req.request_id, None)
         group = self._group_of.pop(req, None)
@@ -413,38 +380,11 @@ class Scheduler:
         if self._open.get(key) is leader:
             del self._open[key]
 
-    def release(self, request: Request) -> None:
-        """Return a request's blocks to the pool (tail first, so cached heads outlive tails) and reset its KV state."""
-        self.pool.release(reversed(request.block_table))
-        request.block_table = []
-        request.num_computed = 0
-        request.num_hashed_blocks = 0
-
     def _plan_add(self, plan: StepPlan, request: Request, num: int) -> None:
         if request.num_pending > 1 and num < request.num_pending:
             self.num_chunked_prefills += 1
         plan.add(request, num)
-        plan.registered_blocks.extend(self._register_full_blocks(request, request.num_computed + num))
-
-    def _register_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
-        """Publish blocks that are full once `num_tokens` are computed.
-
-        Done at schedule time: every layer writes the whole step's K/V before attending, so a request admitted later
-        in the same step can already share blocks this step computes. If the forward fails, the engine unpublishes
-        them (`plan.registered_blocks`).
-        """
-        full = num_tokens // self.page_size
-        if full <= request.num_hashed_blocks:
-            return []
-        if len(request.block_hashes) < full:
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            request.block_hashes.extend(hash_chain(request.tokens[:full * self.page_size], self.page_size,
-                                                   request.kv_version, start=len(request.block_hashes),
-                                                   parent=parent))
-        registered = [request.block_table[b] for b in range(request.num_hashed_blocks, full)
-                      if self.pool.register(request.block_table[b], request.block_hashes[b])]
-        request.num_hashed_blocks = full
-        return registered
+        plan.registered_blocks.extend(self.kv.publish_full_blocks(request, request.num_computed + num))
 
     def _fork_all(self, leader: Request) -> None:
         """The leader's prompt is computed and its first token sampled: its forks join the running list."""
@@ -457,21 +397,9 @@ class Scheduler:
                 self.waiting.appendleft(follower)
 
     def _fork(self, leader: Request, follower: Request) -> bool:
-        """Give `follower` the leader's computed prompt: shared full blocks, a private copy of the partial block."""
-        full, partial = divmod(leader.num_computed, self.page_size)
-        if partial and self.pool.num_free < 1:
+        """Run `follower` right after its leader on a copy of the leader's computed prompt; False if no room."""
+        if not self.kv.fork(leader, follower):
             return False
-        follower.block_table = leader.block_table[:full]
-        for block in follower.block_table:
-            self.pool.share(block)
-        if partial:
-            (new_block,) = self.pool.allocate(1)
-            self.copy_block(leader.block_table[full], new_block, partial)
-            follower.block_table.append(new_block)
-        follower.num_computed = leader.num_computed
-        follower.kv_version = leader.kv_version
-        follower.block_hashes = list(leader.block_hashes[:full])
-        follower.num_hashed_blocks = min(leader.num_hashed_blocks, full)
         follower.status = RequestStatus.DECODING
         self.running.insert(self.running.index(leader) + 1, follower)
         return True
@@ -480,58 +408,18 @@ class Scheduler:
         """Send every running request back to recompute (used when weights change under `recompute`)."""
         preempted = list(self.running)
         for request in reversed(preempted):
-            self.running.remove(request)
-            self.release(request)
-            request.status = RequestStatus.PENDING
-            self.waiting.appendleft(request)
-        self.release_all_kept()  # their continuations recompute too
+            self._requeue(request)
+        self.kv.free_all_kept()  # their continuations recompute too
         return preempted
 
     # ------------------------------------------------------------------ kept KV
     def keep_kv(self, sequence_ids: list[str]) -> None:
         """Keep these live sequences' blocks when they finish, for a continuation (see `kept_kv`)."""
-        self.kept.want(sequence_ids)
+        self.kv.kept.want(sequence_ids)
 
     def release_kept(self, sequence_id: str) -> bool:
         """Drop a kept sequence's blocks (its full blocks stay in the prefix cache); False if it is not kept."""
-        request = self.kept.take(sequence_id)
-        if request is not None:
-            self.release(request)
-        return request is not None
-
-    def release_all_kept(self) -> int:
-        kept = self.kept.take_all()
-        for request in kept:
-            self.release(request)
-        return len(kept)
-
-    def _park(self, request: Request) -> None:
-        previous = self.kept.park(request)
-        if previous is not None:
-            self.release(previous)
-
-    def _adopt_kept(self, request: Request, sequence_id: str) -> bool:
-        """Give a queued request the KV of the kept sequence its tokens extend; False (nothing adopted, the kept
-        sequence released) if that sequence is gone or the request's tokens do not start with all of its tokens."""
-        kept = self.kept.take(sequence_id)
-        if kept is None:
-            return False
-        if (request.tokens[:len(kept.tokens)] != kept.tokens or len(request.tokens) <= kept.num_computed
-                or kept.num_computed > request.max_cached_tokens):  # its KV would skip logits prompt logprobs need
-            self.release(kept)
-            return False
-        request.block_table, kept.block_table = kept.block_table, []
-        request.num_computed = kept.num_computed
-        request.kv_version = kept.kv_version
-        request.block_hashes = kept.block_hashes
-        request.num_hashed_blocks = kept.num_hashed_blocks
-        request.num_prefix_hit_tokens = kept.num_computed
-        return True
-
-    def _release_kept_for(self, blocks: float) -> None:
-        """Release kept sequences, oldest first, until `blocks` blocks are free or none is kept."""
-        while self.pool.num_free < blocks and len(self.kept):
-            self.release(self.kept.oldest())
+        return self.kv.free_kept(sequence_id)
 
     def check_invariants(self) -> None:
         """Every live sequence is in exactly one place (running, waiting, or forking off a leader), and the pool's ref
@@ -541,8 +429,7 @@ class Scheduler:
         assert set(places) == set(self.requests.values()), "live sequences and queues disagree"
         assert all(leader in self.requests.values() for leader in self._forks), "forks of a finished leader"
         assert self._leader_of == {f: lead for lead, forks in self._forks.items() for f in forks}, "fork index stale"
-        self.pool.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting]
-                                   + self.kept.block_tables())
+        self.kv.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting])
 
 
 def _record_prompt_logprobs(request: Request, record: PromptLogprobs) -> None:

@@ -132,9 +132,9 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(model, monkeypatch):
     preempted = []
     preempt = engine.scheduler._preempt
 
-    def spy(request, plan):
+    def spy(request):
         preempted.append((request.request_id, len(request.prompt_logprobs)))
-        preempt(request, plan)
+        preempt(request)
 
     monkeypatch.setattr(engine.scheduler, "_preempt", spy)
     engine.add_request(grow, "grow", SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))

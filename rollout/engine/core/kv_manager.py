@@ -1,0 +1,170 @@
+"""KVManager: where each sequence's KV lives. The scheduler decides who runs; this decides which blocks hold them.
+
+A sequence's KV is its block table over the BlockPool: prefix-cache hits attached at admission (keyed by the weight
+version, so no request reuses KV computed under older weights), new blocks allocated as it grows, full blocks
+published to the prefix cache once the step that fills them is planned, the partial block copied and the full ones
+shared when an n-sample group forks off its prefill, and everything freed tail first (cached heads outlive tails).
+Finished sequences asked to keep their KV park here (`kept_kv`) until a continuation adopts it or room is needed.
+Every piece of block arithmetic is written once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rollout.engine.core.block_pool import BlockPool, hash_chain
+from rollout.engine.core.kept_kv import KeptSequences
+from rollout.engine.core.request import Request
+
+CopyBlock = Callable[[int, int, int], None]  # (source block, target block, tokens): copies KV for a fork
+
+
+class KVManager:
+    """Block tables of live and kept sequences over one BlockPool."""
+
+    def __init__(self, pool: BlockPool, page_size: int, copy_block: CopyBlock | None = None) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.copy_block = copy_block
+        self.kept = KeptSequences()  # finished sequences holding their KV for a continuation
+
+    # ------------------------------------------------------------- arithmetic
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether a sequence of this many tokens fits in the whole cache."""
+        return self.blocks_for(num_tokens) <= self.pool.num_blocks
+
+    def fit(self, request: Request, num: int) -> int:
+        """The most of `num` more tokens of `request` that fit now (0: not one), after freeing kept KV for them.
+        Allocates nothing."""
+        needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+        self.free_kept_for(needed)
+        if needed <= self.pool.num_free:
+            return num
+        room = (len(request.block_table) + self.pool.num_free) * self.page_size - request.num_computed
+        return max(0, min(num, room))
+
+    def allocate(self, request: Request, num: int) -> None:
+        """Extend the block table for `num` more tokens (they must `fit`)."""
+        needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+        if needed > 0:
+            request.block_table.extend(self.pool.allocate(needed))
+
+    # ------------------------------------------------------------ the prefix
+    def attach_prefix(self, request: Request, weight_version: int) -> None:
+        """Reuse cached blocks of the request's full-block prefix computed under `weight_version`."""
+        if request.block_table:
+            return  # it continues a kept sequence whose KV it holds already
+        request.kv_version = weight_version
+        request.block_hashes = hash_chain(request.tokens, self.page_size, weight_version)
+        request.num_hashed_blocks = 0
+        # Blocks whose logits a prompt logprob still needs are recomputed, not reused (see prompt_logprobs.py).
+        for key in request.block_hashes[:request.max_cached_tokens // self.page_size]:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            request.block_table.append(block)
+        # Always leave at least one token to compute: it yields the logits for the next sample.
+        if len(request.block_table) * self.page_size >= len(request.tokens):
+            self.pool.release([request.block_table.pop()])
+        request.num_computed = len(request.block_table) * self.page_size
+        request.num_hashed_blocks = len(request.block_table)
+        request.num_prefix_hit_tokens = request.num_computed
+
+    def publish_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """Publish the blocks that are full once `num_tokens` are computed; returns those newly published.
+
+        Done at schedule time: every layer writes the whole step's K/V before attending, so a request admitted later
+        in the same step can already share blocks this step computes. If the forward fails, `unpublish` them.
+        """
+        full = num_tokens // self.page_size
+        if full <= request.num_hashed_blocks:
+            return []
+        if len(request.block_hashes) < full:
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            request.block_hashes.extend(hash_chain(request.tokens[:full * self.page_size], self.page_size,
+                                                   request.kv_version, start=len(request.block_hashes),
+                                                   parent=parent))
+        published = [request.block_table[b] for b in range(request.num_hashed_blocks, full)
+                     if self.pool.register(request.block_table[b], request.block_hashes[b])]
+        request.num_hashed_blocks = full
+        return published
+
+    def unpublish(self, blocks: list[int]) -> None:
+        self.pool.unregister(blocks)
+
+    # ------------------------------------------------------------------ forks
+    def fork(self, leader: Request, follower: Request) -> bool:
+        """Give `follower` the leader's computed prompt: shared full blocks, a private copy of the partial block;
+        False (nothing changed) if there is no free block for that copy."""
+        full, partial = divmod(leader.num_computed, self.page_size)
+        if partial and self.pool.num_free < 1:
+            return False
+        follower.block_table = leader.block_table[:full]
+        for block in follower.block_table:
+            self.pool.share(block)
+        if partial:
+            (new_block,) = self.pool.allocate(1)
+            self.copy_block(leader.block_table[full], new_block, partial)
+            follower.block_table.append(new_block)
+        follower.num_computed = leader.num_computed
+        follower.kv_version = leader.kv_version
+        follower.block_hashes = list(leader.block_hashes[:full])
+        follower.num_hashed_blocks = min(leader.num_hashed_blocks, full)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks to the pool (tail first, so cached heads outlive tails) and reset its KV state."""
+        self.pool.release(reversed(request.block_table))
+        request.block_table = []
+        request.num_computed = 0
+        request.num_hashed_blocks = 0
+
+    # --------------------------------------------------------------- kept KV
+    def park(self, request: Request) -> None:
+        """A finished sequence asked to keep its KV: hold its blocks (a previous holder of its id is freed)."""
+        previous = self.kept.park(request)
+        if previous is not None:
+            self.free(previous)
+
+    def free_kept(self, sequence_id: str) -> bool:
+        """Drop a kept sequence's blocks (its full blocks stay in the prefix cache); False if it is not kept."""
+        request = self.kept.take(sequence_id)
+        if request is not None:
+            self.free(request)
+        return request is not None
+
+    def free_all_kept(self) -> int:
+        kept = self.kept.take_all()
+        for request in kept:
+            self.free(request)
+        return len(kept)
+
+    def free_kept_for(self, blocks: float) -> None:
+        """Free kept sequences, oldest first, until `blocks` blocks are free or none is kept."""
+        while self.pool.num_free < blocks and len(self.kept):
+            self.free(self.kept.oldest())
+
+    def adopt_kept(self, request: Request, sequence_id: str) -> bool:
+        """Give a queued request the KV of the kept sequence its tokens extend; False (nothing adopted, the kept
+        sequence freed) if that sequence is gone or the request's tokens do not start with all of its tokens."""
+        kept = self.kept.take(sequence_id)
+        if kept is None:
+            return False
+        if (request.tokens[:len(kept.tokens)] != kept.tokens or len(request.tokens) <= kept.num_computed
+                or kept.num_computed > request.max_cached_tokens):  # its KV would skip logits prompt logprobs need
+            self.free(kept)
+            return False
+        request.block_table, kept.block_table = kept.block_table, []
+        request.num_computed = kept.num_computed
+        request.kv_version = kept.kv_version
+        request.block_hashes = kept.block_hashes
+        request.num_hashed_blocks = kept.num_hashed_blocks
+        request.num_prefix_hit_tokens = kept.num_computed
+        return True
+
+    def check_invariants(self, live_tables: list[list[int]]) -> None:
+        """The pool's ref counts match the live and kept block tables (used by tests)."""
+        self.pool.check_invariants(live_tables + self.kept.block_tables())

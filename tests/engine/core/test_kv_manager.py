@@ -1,0 +1,228 @@
+"""The KV manager alone, with no scheduler and no model: block tables over a real pool.
+
+What it promises: `fit` says how many more tokens fit (freeing kept KV for them first) and allocates nothing;
+`allocate` gives exactly the blocks those tokens need; prefix hits are attached only under the same weight version and
+always leave a token to compute; full blocks are published once; a fork shares full blocks and copies the partial
+one; `free` returns everything; kept sequences are adopted only by a continuation of all their tokens. A randomized
+trace checks the pool's reference counts against the live tables after every operation and that nothing leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from transformers import GenerationConfig
+
+from rollout.engine.core.block_pool import BlockPool
+from rollout.engine.core.kv_manager import KVManager
+from rollout.engine.core.sequence_group import SequenceGroup
+from rollout.engine.sample.resolve import resolve_sampling
+from rollout.sampling_params import SamplingParams
+
+PAGE = 4
+
+
+def request(request_id: str, tokens, **params):
+    sampling = resolve_sampling(SamplingParams(max_new_tokens=8, **params), GenerationConfig())
+    return SequenceGroup.create(request_id, list(tokens), sampling, 1).leader
+
+
+def manager(num_blocks=16, copies=None):
+    return KVManager(BlockPool(num_blocks), PAGE, lambda src, dst, n: copies.append((src, dst, n))
+                     if copies is not None else None)
+
+
+def compute(kv: KVManager, req) -> None:
+    """What a step does for `req`: room for its pending tokens, publish what becomes full, count them computed."""
+    num = req.num_pending
+    assert kv.fit(req, num) == num
+    kv.allocate(req, num)
+    kv.publish_full_blocks(req, req.num_computed + num)
+    req.num_computed += num
+
+
+def test_fit_counts_blocks_and_allocates_nothing():
+    kv = manager(num_blocks=3)
+    req = request("a", range(10))
+    assert kv.blocks_for(10) == 3 and kv.blocks_for(12) == 3 and kv.blocks_for(13) == 4
+    assert kv.fit(req, 10) == 10 and kv.pool.num_free == 3
+    assert kv.fit(req, 20) == 12  # three blocks of four: the most that fits
+    kv.allocate(req, 10)
+    assert len(req.block_table) == 3 and kv.pool.num_free == 0
+    req.num_computed = 10
+    assert kv.fit(req, 2) == 2 and kv.fit(req, 3) == 2  # the last block has room for two more
+    assert not kv.fits_ever(13) and kv.fits_ever(12)
+
+
+def test_prefix_hits_need_the_same_weights_and_leave_a_token_to_compute():
+    kv = manager()
+    first = request("a", range(8))
+    kv.attach_prefix(first, weight_version=0)
+    compute(kv, first)
+    kv.free(first)
+    again = request("b", range(8))
+    kv.attach_prefix(again, weight_version=0)
+    assert again.num_computed == 4 and again.num_prefix_hit_tokens == 4  # the last block recomputes the last token
+    kv.free(again)
+    newer = request("c", range(8))
+    kv.attach_prefix(newer, weight_version=1)
+    assert newer.num_computed == 0 and newer.block_table == []
+    longer = request("d", range(9))
+    kv.attach_prefix(longer, weight_version=0)
+    assert longer.num_computed == 8
+    kv.free(longer)
+    assert kv.pool.num_free == kv.pool.num_blocks
+
+
+def test_full_blocks_are_published_once():
+    kv = manager()
+    req = request("a", range(10))
+    kv.attach_prefix(req, 0)
+    kv.allocate(req, 10)
+    assert len(kv.publish_full_blocks(req, 10)) == 2
+    assert kv.publish_full_blocks(req, 10) == [] and req.num_hashed_blocks == 2
+
+
+def test_a_fork_shares_full_blocks_and_copies_the_partial_one():
+    copies = []
+    kv = manager(num_blocks=4, copies=copies)
+    leader = request("a", range(6))
+    kv.attach_prefix(leader, 0)
+    compute(kv, leader)
+    follower = request("b", range(6))
+    assert kv.fork(leader, follower)
+    assert follower.block_table[0] == leader.block_table[0] and follower.block_table[1] != leader.block_table[1]
+    assert copies == [(leader.block_table[1], follower.block_table[1], 2)]
+    assert kv.pool.ref_counts[leader.block_table[0]] == 2 and follower.num_computed == 6
+    for _ in range(kv.pool.num_free):
+        kv.pool.allocate(1)
+    assert not kv.fork(leader, request("c", range(6)))  # no block for the partial copy: nothing changes
+    assert kv.pool.ref_counts[leader.block_table[0]] == 2
+
+
+def test_kept_kv_is_adopted_only_by_a_continuation_and_freed_for_room():
+    kv = manager(num_blocks=4)
+    done = request("a#0", range(6))
+    kv.attach_prefix(done, 0)
+    compute(kv, done)
+    kv.kept.want(["a#0"])
+    kv.park(done)
+    assert len(kv.kept) == 1 and kv.pool.num_free == 2
+    other = request("b", [9, 9, 9, 9, 9, 9, 9])
+    assert not kv.adopt_kept(other, "a#0")  # not its tokens: the kept sequence is freed
+    assert len(kv.kept) == 0 and kv.pool.num_free == 4
+    done = request("c#0", range(6))
+    kv.attach_prefix(done, 0)
+    compute(kv, done)
+    kv.kept.want(["c#0"])
+    kv.park(done)
+    follow = request("d", [*range(6), 7, 8])
+    assert kv.adopt_kept(follow, "c#0") and follow.num_computed == 6 and follow.num_prefix_hit_tokens == 6
+    kv.free(follow)
+    done = request("e#0", range(6))
+    kv.attach_prefix(done, 0)
+    compute(kv, done)
+    kv.kept.want(["e#0"])
+    kv.park(done)
+    big = request("f", range(100, 116))
+    assert kv.fit(big, 16) == 16 and len(kv.kept) == 0  # room was needed: kept KV went first
+
+
+@pytest.mark.parametrize("prompt_logprobs_start", [1, 6, 7])
+def test_kept_kv_is_not_adopted_past_logits_a_prompt_logprob_needs(prompt_logprobs_start):
+    kv = manager()
+    done = request("a#0", range(6))
+    kv.attach_prefix(done, 0)
+    compute(kv, done)
+    kv.kept.want(["a#0"])
+    kv.park(done)
+    follow = request("b", [*range(6), 7, 8], prompt_logprobs=0, prompt_logprobs_start=prompt_logprobs_start)
+    assert kv.adopt_kept(follow, "a#0") == (prompt_logprobs_start == 7)  # token 6 needs the logits at 5
+
+
+class KVTrace(RuleBasedStateMachine):
+    """Random admissions, growth, forks, parks, adoptions and frees; the pool always matches the live tables."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = manager(num_blocks=12, copies=[])
+        self.live: list = []
+        self.parked: list = []  # what was parked, oldest first (room may have freed it since)
+        self.count = 0
+        self.version = 0
+
+    def _new(self, tokens):
+        self.count += 1
+        return request(f"r{self.count}#0", tokens)
+
+    @rule(length=st.integers(1, 20), shared=st.booleans())
+    def admit(self, length, shared):
+        req = self._new(range(length) if shared else range(self.count * 100, self.count * 100 + length))
+        self.kv.attach_prefix(req, self.version)
+        num = self.kv.fit(req, req.num_pending)
+        if num == 0:
+            self.kv.free(req)
+            return
+        self.kv.allocate(req, num)
+        self.kv.publish_full_blocks(req, req.num_computed + num)
+        req.num_computed += num
+        self.live.append(req)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100), grow=st.integers(1, 6))
+    def grow(self, index, grow):
+        req = self.live[index % len(self.live)]
+        req.tokens.extend([7] * grow)
+        num = self.kv.fit(req, req.num_pending)
+        self.kv.allocate(req, num)
+        req.num_computed += num
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def fork(self, index):
+        leader = self.live[index % len(self.live)]
+        follower = self._new(leader.tokens)
+        if self.kv.fork(leader, follower):
+            self.live.append(follower)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100), keep=st.booleans())
+    def finish(self, index, keep):
+        req = self.live.pop(index % len(self.live))
+        if keep:
+            self.kv.kept.want([req.request_id])
+            self.parked.append((req.request_id, list(req.tokens)))
+            self.kv.park(req)
+        else:
+            self.kv.free(req)
+
+    @precondition(lambda self: self.parked)
+    @rule(index=st.integers(0, 100), extra=st.integers(0, 5))
+    def continue_kept(self, index, extra):
+        sequence_id, tokens = self.parked.pop(index % len(self.parked))
+        req = self._new([*tokens, *([5] * extra)])
+        if self.kv.adopt_kept(req, sequence_id):
+            assert extra > 0, "a continuation must add a token to compute"
+            assert req.num_computed <= len(tokens)
+            self.live.append(req)
+
+    @rule()
+    def new_weights(self):
+        self.version += 1
+
+    @invariant()
+    def pool_matches_tables(self):
+        self.kv.check_invariants([r.block_table for r in self.live])
+        assert all(r.num_computed <= len(r.block_table) * PAGE for r in self.live)
+
+    def teardown(self):
+        for req in self.live:
+            self.kv.free(req)
+        self.kv.free_all_kept()
+        assert self.kv.pool.num_free == self.kv.pool.num_blocks, "a block leaked"
+
+
+KVTrace.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_kv_manager_trace = KVTrace.TestCase
