@@ -18,23 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout import interpreter_exit
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.core.request import ErrorKind, RequestOutput
-from rollout.engine.core.sequence_group import sequence_ids
+from rollout.engine.core.request import ErrorKind, RequestOutput, sequence_ids
 from rollout.engine.core.stats import EngineStats
 from rollout.engine.engine import LLMEngine
+from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.engine.worker.warm_up import WarmUp, warm_up
 from rollout.output_router import OutputCallback, OutputRouter
 from rollout.sampling_params import SamplingParams
@@ -50,6 +50,31 @@ class ManagerError(RuntimeError):
     """The manager cannot serve: its loop thread died, or it was destroyed."""
 
 
+
+@dataclass(frozen=True)
+class Submission:
+    """One `add_request` waiting in the inbox for the loop to hand it to the engine."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams | ResolvedSampling
+    streaming: bool = False
+    keep_kv: bool = False
+    continues: str | None = None
+
+    def failures(self, error: str, kind: ErrorKind, name_sequence: bool = True) -> list[RequestOutput]:
+        return RequestOutput.group_failure(self.request_id, self.params.n, self.prompt, error, kind, name_sequence)
+
+
+def _with_overrides(params: SamplingParams | ResolvedSampling | None, **overrides) -> SamplingParams | ResolvedSampling:
+    """`params` with `add_request`'s keyword overrides applied; settings already resolved take none."""
+    if not isinstance(params, ResolvedSampling):
+        return (params or SamplingParams()).with_overrides(**overrides)
+    given = sorted(name for name, value in overrides.items() if value is not None)
+    if given:
+        raise TypeError(f"sampling_params is already resolved (ResolvedSampling); pass {given} in it instead")
+    return params
+
 class ContinuousBatchingManager:
     """Runs continuous batching in a background thread; submit, stream, cancel and collect from any thread."""
 
@@ -60,12 +85,11 @@ class ContinuousBatchingManager:
                                                   tokenizer=tokenizer)
         self._engine_lock = threading.RLock()
         self._cv = threading.Condition()  # guards everything below and wakes the loop and readers
-        self._inbox: deque[tuple[str, list[int], SamplingParams, bool, dict]] = deque()  # last: KV reuse options
+        self._inbox: deque[Submission] = deque()
         self._finished: OrderedDict[str, RequestOutput] = OrderedDict()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._pending: set[str] = set()  # submitted, result not yet handed to a caller
         self._router = OutputRouter()  # callbacks of requests submitted with on_output
-        self._auto_ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._stopping = False
@@ -177,7 +201,7 @@ class ContinuousBatchingManager:
 
     # -------------------------------------------------------------- submission
     def add_request(self, input_ids: Sequence[int], request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, sampling_params: SamplingParams | None = None,
+                    streaming: bool = False, sampling_params: SamplingParams | ResolvedSampling | None = None,
                     on_output: OutputCallback | None = None, keep_kv: bool = False, continues: str | None = None,
                     **overrides) -> str | None:
         """Queue one prompt; returns its id (None if the manager was stopped: the request is dropped with a warning).
@@ -187,9 +211,10 @@ class ContinuousBatchingManager:
         gets every output of its sequences (partials too when `streaming`), ending with one final output per sequence,
         failures included (`error_kind` says why); `get_result` and `request_id_iter` do not know such a request.
         `keep_kv` and `continues` carry a conversation's KV from one request to the next (`LLMEngine.add_request`);
-        free what a kept sequence holds with `release_kv`.
+        free what a kept sequence holds with `release_kv`. Settings already resolved (`engine.validate_sampling`,
+        for many requests alike) are used as they are and take no overrides.
         """
-        params = (sampling_params or SamplingParams()).with_overrides(max_new_tokens=max_new_tokens, **overrides)
+        params = _with_overrides(sampling_params, max_new_tokens=max_new_tokens, **overrides)
         with self._cv:
             self._check_usable()
             if not self._accepting:
@@ -197,7 +222,7 @@ class ContinuousBatchingManager:
                                request_id)
                 return None
             if request_id is None:
-                request_id = f"req_{next(self._auto_ids)}"
+                request_id = self._require_engine().new_request_id()
             ids = sequence_ids(request_id, params.n)
             taken = [rid for rid in ids if rid in self._pending or rid in self._streams or rid in self._router]
             if taken:
@@ -208,8 +233,7 @@ class ContinuousBatchingManager:
             else:
                 self._pending.update(ids)
                 self._streams.update((rid, queue.SimpleQueue()) for rid in ids if streaming)
-            self._inbox.append((request_id, list(input_ids), params, streaming,
-                                {"keep_kv": keep_kv, "continues": continues}))
+            self._inbox.append(Submission(request_id, list(input_ids), params, streaming, keep_kv, continues))
             self._threads = torch.get_num_threads()  # the loop steps with the submitter's intra-op thread count
             self._cv.notify_all()
         return request_id
@@ -219,7 +243,8 @@ class ContinuousBatchingManager:
                      **overrides) -> list[str]:
         """Queue many prompts, submitted in sorted order so shared prefixes meet in the cache; ids in input order."""
         with self._cv:
-            ids = [f"req_{next(self._auto_ids)}" for _ in inputs]
+            engine = self._require_engine()
+            ids = [engine.new_request_id() for _ in inputs]
         for i in sorted(range(len(inputs)), key=lambda i: list(inputs[i])):
             self.add_request(inputs[i], ids[i], max_new_tokens, streaming, sampling_params, **overrides)
         return ids
@@ -450,13 +475,12 @@ class ContinuousBatchingManager:
         with self._cv:
             items, self._inbox = list(self._inbox), deque()
         rejected: list[RequestOutput] = []
-        for request_id, prompt, params, streaming, kv in items:
+        for item in items:
             try:
-                engine.add_request(prompt, request_id, params, streaming=streaming, **kv)
+                engine.add_request(item.prompt, item.request_id, item.params, streaming=item.streaming,
+                                   keep_kv=item.keep_kv, continues=item.continues)
             except ValueError as err:  # e.g. an id still live inside the engine: fail this request alone
-                rejected += [RequestOutput.failure(rid, list(prompt), f"request {request_id!r}: {err}",
-                                                   ErrorKind.INVALID_REQUEST)
-                             for rid in sequence_ids(request_id, params.n)]
+                rejected += item.failures(str(err), ErrorKind.INVALID_REQUEST)
         return rejected
 
     def _fail_everything(self, error: str) -> list[RequestOutput]:
@@ -464,9 +488,8 @@ class ContinuousBatchingManager:
             outputs = []
             with self._cv:
                 items, self._inbox = list(self._inbox), deque()
-            for request_id, prompt, params, *_ in items:
-                outputs += [RequestOutput.failure(rid, list(prompt), error, ErrorKind.SHUTDOWN)
-                             for rid in sequence_ids(request_id, params.n)]
+            for item in items:
+                outputs += item.failures(error, ErrorKind.SHUTDOWN, name_sequence=False)
             if self.engine is not None:
                 outputs += self.engine.fail_all(error)
             return outputs

@@ -14,7 +14,7 @@ from rollout.sampling_params import SamplingParams
 from trainer_hooks.sync import unwrap
 
 
-def inexact_reason(trainer, params: SamplingParams, engine_model: torch.nn.Module | None, remote: bool) -> str | None:
+def inexact_reason(trainer, params: SamplingParams, engine_dtype: torch.dtype | None) -> str | None:
     """Why the engine's policy logprobs cannot stand in for TRL's recompute in this setup (None: they can).
 
     Exact means: the same weights in the same precision (fp32 or fp64: in half precision the engine's and the
@@ -23,7 +23,7 @@ def inexact_reason(trainer, params: SamplingParams, engine_model: torch.nn.Modul
     they were generated for.
     """
     args = trainer.args
-    if remote:
+    if engine_dtype is None:
         return "the engine runs in a separate `rollout serve` process whose precision this trainer cannot check"
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
         return "tool calls append tokens the engine did not score"
@@ -42,7 +42,7 @@ def inexact_reason(trainer, params: SamplingParams, engine_model: torch.nn.Modul
     if trainer.accelerator.mixed_precision != "no":
         return f"the trainer computes under {trainer.accelerator.mixed_precision} autocast"
     trained = _dtype(unwrap(trainer.model))
-    engine = _dtype(engine_model)
+    engine = engine_dtype
     if engine != trained:
         return f"the engine runs in {engine}, the trainer in {trained}"
     if engine not in (torch.float32, torch.float64):

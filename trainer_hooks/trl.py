@@ -33,7 +33,9 @@ import torch
 from packaging.version import Version
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.distributed.server_pool import RolloutServerPool
 from rollout.openai_params import STRUCTURED_KWARGS, sampling_overrides
+from rollout.rl.backend import RolloutBackend
 from rollout.rl.batch import RolloutBatch
 from rollout.rl.generator import RolloutGenerator
 from rollout.sampling_params import SamplingParams
@@ -64,11 +66,6 @@ def _require_trl():
 _trl = _require_trl()
 from trl import GRPOTrainer, RLOOTrainer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
-
-# The SamplingParams fields a `rollout serve` process takes: rollout.distributed.server_pool.REMOTE_FIELDS.
-# Settings only an engine in this process can apply (callables and token-id masks do not travel over HTTP).
-_LOCAL_ONLY_FIELDS = ("logits_processors", "allowed_token_ids", "bad_words_ids")
-
 
 # Where TRL's old_per_token_logps come from: see _RolloutMixin.
 OLD_LOGPROB_MODES = ("auto", "engine", "recompute")
@@ -101,34 +98,12 @@ class RolloutTRLGeneration(VLLMGeneration):
         if getattr(trainer, "_is_vlm", False):
             raise NotImplementedError("rollout's TRL hook does not support vision-language models yet")
         self.share_weights = share_weights
-        self.client = None
-        self.generator = None
-        if server_url is not None and pool is not None:
-            raise ValueError("pass rollout_server or rollout_pool, not both")
-        if share_weights and (server_url is not None or pool is not None):
-            raise ValueError("share_weights=True needs the engine in this process; drop rollout_server/rollout_pool")
-        if server_url is not None:  # `rollout serve` processes own the engines; we stream weights and prompts
-            from rollout.distributed.server_pool import RolloutServerPool
-
-            self.client = RolloutServerPool(server_url, seed=trainer.args.seed + trainer.accelerator.process_index)
-        elif pool is not None:  # a RolloutPool of this process: it generates and takes weights like a generator
-            if rollout_config is not None or dtype is not None:
-                raise ValueError("rollout_config and rollout_dtype configure an engine in this process; give them to "
-                                 "the RolloutPool when you build it")
-            self.generator = pool
-        else:
-            base = unwrap(trainer.model)
-            if hasattr(base, "get_base_model") and not share_weights:
-                base = base.get_base_model()  # PEFT: generate from the base architecture, sync merged weights
-            config = rollout_config or ContinuousBatchingConfig()
-            self.generator = RolloutGenerator(base, tokenizer=getattr(trainer, "_tokenizer", None),
-                                              continuous_batching_config=config, share_weights=share_weights,
-                                              dtype=dtype, seed=trainer.args.seed + trainer.accelerator.process_index)
+        self.backend: RolloutBackend = self._backend(trainer, rollout_config, share_weights, dtype, server_url, pool)
         self.sampling_params = self._sampling_params(trainer)
-        local_only = [f for f in _LOCAL_ONLY_FIELDS if getattr(self.sampling_params, f) is not None]
-        if self.client is not None and local_only:
-            raise ValueError(f"generation_kwargs {local_only} need the engine in this process; drop them or drop "
-                             "rollout_server")
+        try:
+            self.backend.check_sampling(self.sampling_params)
+        except ValueError as err:
+            raise ValueError(f"the trainer's sampling settings (its arguments and generation_kwargs): {err}") from None
         self.last_sync_seconds: float | None = None
         self.last_batch: RolloutBatch | None = None
         self.old_logprobs_mode = old_logprobs
@@ -138,8 +113,30 @@ class RolloutTRLGeneration(VLLMGeneration):
         self._pending_old: PendingOldLogps | None = None
         self._last_decision: tuple[bool, str] | None = None
         # TRL's tool loop continues the conversations it just generated: keep their KV (an engine in this process)
-        self.conversations = (ConversationKV(self.generator) if getattr(trainer, "tools", None)
-                              and isinstance(self.generator, RolloutGenerator) else None)
+        self.conversations = (ConversationKV(self.backend) if getattr(trainer, "tools", None)
+                              and self.backend.keeps_kv else None)
+
+    @staticmethod
+    def _backend(trainer, rollout_config, share_weights: bool, dtype, server_url, pool) -> RolloutBackend:
+        """The one backend this adapter generates with: servers, a Ray pool, or an engine in this process."""
+        if server_url is not None and pool is not None:
+            raise ValueError("pass rollout_server or rollout_pool, not both")
+        if share_weights and (server_url is not None or pool is not None):
+            raise ValueError("share_weights=True needs the engine in this process; drop rollout_server/rollout_pool")
+        seed = trainer.args.seed + trainer.accelerator.process_index
+        if server_url is not None:  # `rollout serve` processes own the engines; we stream weights and prompts
+            return RolloutServerPool(server_url, seed=seed)
+        if pool is not None:  # a RolloutPool of this process: it generates and takes weights like a generator
+            if rollout_config is not None or dtype is not None:
+                raise ValueError("rollout_config and rollout_dtype configure an engine in this process; give them to "
+                                 "the RolloutPool when you build it")
+            return pool
+        base = unwrap(trainer.model)
+        if hasattr(base, "get_base_model") and not share_weights:
+            base = base.get_base_model()  # PEFT: generate from the base architecture, sync merged weights
+        return RolloutGenerator(base, tokenizer=getattr(trainer, "_tokenizer", None),
+                                continuous_batching_config=rollout_config or ContinuousBatchingConfig(),
+                                share_weights=share_weights, dtype=dtype, seed=seed)
 
     @staticmethod
     def _sampling_params(trainer) -> SamplingParams:
@@ -165,20 +162,16 @@ class RolloutTRLGeneration(VLLMGeneration):
         start = time.perf_counter()
         if self.conversations is not None:
             self.conversations.release()  # a new step: no prompt continues the last step's conversations
-        if self.client is not None:
-            # Gathering is collective: every process walks the parameters, the main one streams them.
-            if self.accelerator.is_main_process:
-                self.client.update_weights(self._iter_named_params())
-            else:
-                for _ in self._iter_named_params():
-                    pass
-        elif self.share_weights:
-            self.generator.update_weights(self.generator.model)
+        if self.share_weights:  # the engine generates from the trained module itself: nothing to copy
+            self.backend.update_weights(self.backend.model)
+        elif self.backend.shared_by_processes and not self.accelerator.is_main_process:
+            for _ in self._iter_named_params():  # gathering is collective: every process walks the parameters
+                pass
         else:
-            self.generator.update_weights(self._iter_named_params())
+            self.backend.update_weights(self._iter_named_params())
         self.last_sync_seconds = time.perf_counter() - start
         self._synced_step = self.trainer.state.global_step
-        self._synced_version = self.generator.weight_version if self.generator is not None else None
+        self._synced_version = self.backend.weight_version
 
     def generate(self, prompts, images, num_generations, profiler=None):
         if images is not None and any(img is not None for img in images):
@@ -200,12 +193,11 @@ class RolloutTRLGeneration(VLLMGeneration):
         return [s.prompt_ids for s in batch.samples], completion_ids, logprobs, token_ids
 
     def _generate_runs(self, runs: list[tuple[list[int], int]]) -> RolloutBatch:
-        engine = self.client if self.client is not None else self.generator
         prompts, sizes = [p for p, _ in runs], [k for _, k in runs]
         if self.conversations is None:
-            return engine.generate(prompts, n=sizes, sampling_params=self.sampling_params)
-        batch = engine.generate(prompts, n=sizes, sampling_params=self.sampling_params, keep_kv=True,
-                                continues=self.conversations.continues(prompts))
+            return self.backend.generate(prompts, n=sizes, sampling_params=self.sampling_params)
+        batch = self.backend.generate(prompts, n=sizes, sampling_params=self.sampling_params, keep_kv=True,
+                                      continues=self.conversations.continues(prompts))
         self.conversations.remember(batch)
         return batch
 
@@ -217,9 +209,7 @@ class RolloutTRLGeneration(VLLMGeneration):
     # ------------------------------------------------------------ old logprobs
     def _inexact_reason(self, trainer) -> str | None:
         """Why the engine's policy logprobs cannot stand in for TRL's recompute in this setup (None: they can)."""
-        engine_model = self.generator.model if isinstance(self.generator, RolloutGenerator) else self.generator
-        # (a RolloutPool stands in for its workers' model: it reports their dtype)
-        return inexact_reason(trainer, self.sampling_params, engine_model, remote=self.client is not None)
+        return inexact_reason(trainer, self.sampling_params, self.backend.dtype)
 
     def _old_logprobs_decision(self, batch: RolloutBatch) -> tuple[bool, str]:
         """Whether TRL gets the engine's logprobs as old_per_token_logps for this batch, and why (logged on change)."""
@@ -300,7 +290,9 @@ class _RolloutMixin:
         self.use_vllm = True
         self.vllm_mode = "rollout"  # neither "server" nor "colocate": TRL's vLLM-specific branches stay off
         self._last_loaded_step = -1
-        self.rollout_generator = self.vllm_generation.generator
+        self.rollout_backend = self.vllm_generation.backend  # whatever generates: RolloutBackend
+        # the backend this process owns (its generator or Ray pool); None when servers generate for every process
+        self.rollout_generator = None if self.rollout_backend.shared_by_processes else self.rollout_backend
         self.rollout_trim_padding = (self.accelerator.num_processes == 1 if rollout_trim_padding is None
                                      else bool(rollout_trim_padding))
 

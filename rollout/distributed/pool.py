@@ -40,6 +40,7 @@ from rollout.distributed.metrics import batch_stats, engine_stats, pooled
 from rollout.distributed.spec import ModelSpec
 from rollout.distributed.worker import CONCURRENCY_GROUPS, RolloutWorker
 from rollout.engine.core.stats import EngineStats
+from rollout.engine.sample.resolve import resolve_sampling
 from rollout.manager import ManagerError
 from rollout.rl.batch import Prompt, RolloutBatch, RolloutSample
 from rollout.rl.weights import check_on_update
@@ -167,6 +168,15 @@ class RolloutPool:
     @property
     def weight_version(self) -> int:
         return self._version
+
+    # What a trainer reads of any backend (rollout.rl.backend.RolloutBackend); `dtype` is the workers'.
+    shared_by_processes = False  # a pool belongs to the process that built it
+    keeps_kv = False
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """ValueError if a setting is out of range (the settings travel whole; the workers check the rest, such as
+        token ids against the vocabulary, when a batch is prepared)."""
+        resolve_sampling(params, None)
 
     @property
     def size(self) -> int:

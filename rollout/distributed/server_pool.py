@@ -23,8 +23,9 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -33,19 +34,43 @@ from rollout.distributed.balance import group_cost, spread
 from rollout.distributed.broadcast import rejection
 from rollout.distributed.metrics import batch_stats, pooled
 from rollout.engine.core.stats import EngineStats
-from rollout.rl.batch import RolloutBatch, RolloutSample
+from rollout.rl.batch import RolloutBatch, RolloutSample, group_sizes
 from rollout.rl.weights import WeightUpdateError, check_on_update
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed
 
 logger = logging.getLogger(__name__)
 
-# SamplingParams fields a `rollout serve` process takes in a completion request (it applies the tokenizer's EOS; the
-# seed is the pool's, per group). Callables and token-id masks (logits_processors, allowed_token_ids, bad_words_ids)
-# do not travel.
-REMOTE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "min_new_tokens",
-                 "stop_token_ids", "stop_strings", "ignore_eos", "logit_bias", "json_schema", "regex", "choice",
-                 "grammar")
+# How each SamplingParams field reaches a `rollout serve` process: the one table `remote_fields` and
+# `RolloutServerPool.check_sampling` read. SENT: a completion request field of the same meaning. POOL: set by the pool
+# per group (the seed of each group, its size). A function: translated to request fields. A string: why the field
+# cannot travel (a request that sets it is refused). tests/distributed check that every field is here.
+SENT, POOL = "sent", "set by the pool"
+
+
+def _do_sample(value: bool) -> dict:
+    return {} if value else {"temperature": 0.0}  # greedy; sampling is the server's default
+
+
+def _eos_token_id(value: int | Sequence[int]) -> dict:
+    # The server stops on its tokenizer's EOS too; requested EOS ids end a sequence there as stop ids do here.
+    return {"stop_token_ids": [value] if isinstance(value, int) else list(value)}
+
+
+REMOTE_FIELDS: dict[str, str | Callable[[Any], dict]] = {
+    **dict.fromkeys(("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+                     "min_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos", "logit_bias", "json_schema",
+                     "regex", "choice", "grammar"), SENT),
+    "seed": POOL, "n": POOL,
+    "do_sample": _do_sample, "eos_token_id": _eos_token_id,
+    "logits_processors": "callables do not travel over HTTP",
+    "allowed_token_ids": "token-id masks need the engine in this process",
+    "bad_words_ids": "token-id masks need the engine in this process",
+    "logprobs": "RolloutServerPool returns the logprob contract, not top-k alternatives",
+    "prompt_logprobs": "RolloutServerPool returns completions, not prompt logprobs (score them with the client)",
+    "prompt_logprobs_start": "RolloutServerPool returns completions, not prompt logprobs",
+    "prompt_logprobs_temperature": "RolloutServerPool returns completions, not prompt logprobs",
+}
 _ESTIMATED_NEW_TOKENS = 256  # a group's decode estimate for spreading when max_new_tokens is not set
 _CHARS_PER_TOKEN = 4  # a text prompt's length estimate for spreading (the server tokenizes it)
 
@@ -54,9 +79,30 @@ class ServerLostError(RuntimeError):
     """Every server of the pool stopped answering; `add_server` is needed before it can serve again."""
 
 
+def refused_fields(params: SamplingParams) -> dict[str, str]:
+    """The fields `params` sets that cannot travel to a server, with why."""
+    return {name: rule for name, rule in REMOTE_FIELDS.items()
+            if isinstance(rule, str) and rule not in (SENT, POOL) and getattr(params, name) is not None}
+
+
 def remote_fields(params: SamplingParams) -> dict:
-    """The request fields of `params` a server takes (the seed is set per group by the pool)."""
-    return {name: getattr(params, name) for name in REMOTE_FIELDS if getattr(params, name, None) is not None}
+    """The request fields of `params` for a server (the seed and group size are set per group by the pool)."""
+    refused = refused_fields(params)
+    if refused:
+        raise ValueError("these settings cannot travel to a `rollout serve` process: "
+                         + "; ".join(f"{name} ({why})" for name, why in refused.items())
+                         + ". Drop them, or generate with an engine in this process")
+    fields: dict = {}
+    for name, rule in REMOTE_FIELDS.items():
+        value = getattr(params, name)
+        if value is None or rule == POOL:
+            continue
+        if rule == SENT:
+            fields[name] = value
+        else:
+            for key, translated in rule(value).items():
+                fields[key] = sorted({*fields.get(key, ()), *translated}) if key == "stop_token_ids" else translated
+    return fields
 
 
 @dataclass(eq=False)
@@ -124,6 +170,15 @@ class RolloutServerPool:
     def weight_version(self) -> int:
         return self._version
 
+    # What a trainer reads of any backend (rollout.rl.backend.RolloutBackend).
+    shared_by_processes = True  # every data-parallel process sends to the same servers
+    keeps_kv = False
+    dtype = None  # the servers' precision is theirs: not checked from here
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """ValueError naming every setting that cannot travel to a server (REMOTE_FIELDS)."""
+        remote_fields(params)
+
     @property
     def urls(self) -> list[str]:
         """The servers in the pool now."""
@@ -166,7 +221,7 @@ class RolloutServerPool:
         """
         start = time.perf_counter()
         params = sampling_params or SamplingParams()
-        sizes = _group_sizes(n, len(prompts))
+        sizes = group_sizes(n, len(prompts))
         for j, prompt in enumerate(prompts):
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], Mapping):
                 raise ValueError(f"prompt {j} is a chat; RolloutServerPool sends completions: pass text (apply the "
@@ -366,16 +421,6 @@ def scrape(text: str) -> EngineStats:
                        generated_tokens=int(values.get("generation_tokens_total", 0)),
                        prefix_hit_tokens=int(values.get("prefix_cache_hit_tokens_total", 0)),
                        preemptions=int(values.get("preemptions_total", 0)))
-
-
-def _group_sizes(n: int | Sequence[int], count: int) -> list[int]:
-    """One group size per prompt (the servers check each is >= 1)."""
-    if isinstance(n, int) and not isinstance(n, bool):
-        return [n] * count
-    sizes = list(n)
-    if len(sizes) != count:
-        raise ValueError(f"n has {len(sizes)} values for {count} prompts; pass one int, or exactly one per prompt")
-    return sizes
 
 
 def _why(err: BaseException) -> str:

@@ -56,11 +56,11 @@ class _NumberedGenerator(RolloutGenerator):
             self._numbering.numbers = None
 
     def _prepare(self, *args, **kwargs):
-        prepared = super()._prepare(*args, **kwargs)
+        prepared, resolved = super()._prepare(*args, **kwargs)
         numbers = getattr(self._numbering, "numbers", None)
         if numbers is None:
-            return prepared
-        return [(numbers[j], ids, size) for j, ids, size in prepared]
+            return prepared, resolved
+        return [(numbers[j], ids, size) for j, ids, size in prepared], resolved
 
 
 class RolloutWorker:
@@ -110,9 +110,8 @@ class RolloutWorker:
                 ) -> tuple[list[list[int]], list[int], int]:
         """Check a whole batch by the engine's own rules before any of it is submitted anywhere: token ids and group
         size per prompt, and the max_new_tokens the engine will use. ValueError names every bad prompt by index."""
-        prepared = self.generator._prepare(prompts, n, sampling_params)  # the generator's whole-batch check
-        max_new = self.generator.manager.engine.validate_sampling(sampling_params).max_new_tokens
-        return [ids for _, ids, _ in prepared], [size for _, _, size in prepared], max_new
+        prepared, resolved = self.generator._prepare(prompts, n, sampling_params)  # the generator's whole-batch check
+        return [ids for _, ids, _ in prepared], [size for _, _, size in prepared], resolved.max_new_tokens
 
     # ----------------------------------------------------------------- weights
     @ray.method(concurrency_group=WEIGHTS)

@@ -13,9 +13,9 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import DEFAULT_MAX_REQUESTS, ContinuousBatchingConfig
 from rollout.engine.core.block_pool import BlockPool
-from rollout.engine.core.request import ErrorKind, Request, RequestOutput
+from rollout.engine.core.request import ErrorKind, Request, RequestOutput, sequence_ids
 from rollout.engine.core.scheduler import Scheduler
-from rollout.engine.core.sequence_group import SequenceGroup, sequence_ids
+from rollout.engine.core.sequence_group import SequenceGroup
 from rollout.engine.core.stats import EngineStats
 from rollout.engine.core.stopping import StopChecker
 from rollout.engine.cpu.core_budget import CoreBudget
@@ -119,6 +119,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def new_request_id(self) -> str:
+        """The next id for a request submitted without one: `req_0`, `req_1`, ... per engine (the manager's
+        requests take theirs from here too, so the two never collide)."""
         return f"req_{next(self._auto_ids)}"
 
     @property
@@ -127,27 +129,28 @@ class LLMEngine:
         return self.scheduler.requests
 
     def add_request(self, prompt_ids: list[int], request_id: str | None = None,
-                    sampling_params: SamplingParams | None = None, streaming: bool = False, keep_kv: bool = False,
-                    continues: str | None = None) -> list[str]:
+                    sampling_params: SamplingParams | ResolvedSampling | None = None, streaming: bool = False,
+                    keep_kv: bool = False, continues: str | None = None) -> list[str]:
         """Queue a prompt (n sequences if `sampling_params.n > 1`, ids `{id}#{i}`); returns the sequence ids.
 
-        An invalid prompt or invalid settings do not raise: the request fails alone, with the reason in its output.
-        A duplicate id is the caller's bug and raises ValueError. `keep_kv`: when a sequence finishes, keep its KV
-        for a continuation until `release_kept` (or until the cache needs the blocks). `continues`: a kept sequence
-        whose tokens this prompt extends; only the tokens after its KV are prefilled (see rollout.engine.core.kept_kv).
+        `sampling_params` may already be resolved (`validate_sampling`), as a caller submitting many requests with
+        the same settings does: they are then not resolved again. An invalid prompt or invalid settings do not raise:
+        the request fails alone, with the reason in its output. A duplicate id is the caller's bug and raises
+        ValueError. `keep_kv`: when a sequence finishes, keep its KV for a continuation until `release_kept` (or
+        until the cache needs the blocks). `continues`: a kept sequence whose tokens this prompt extends; only the
+        tokens after its KV are prefilled (see rollout.engine.core.kept_kv).
         """
         request_id = request_id if request_id is not None else self.new_request_id()
         n = sampling_params.n if sampling_params is not None else 1
         ids = sequence_ids(request_id, n)  # n < 1 fails under its own id
-        taken = self.scheduler.id_in_use(request_id, ids)
-        if taken is not None:
-            raise ValueError(f"request id {taken!r} is already in use; pass a unique request_id or None")
+        self.scheduler.check_ids_free(request_id, ids)
         try:
-            sampling = self.validate_sampling(sampling_params)
+            sampling = (sampling_params if isinstance(sampling_params, ResolvedSampling)
+                        else self.validate_sampling(sampling_params))
             prompt = self.validate_prompt(prompt_ids, prefill_only=sampling.max_new_tokens == 0)
         except ValueError as err:
-            self.scheduler.reject(RequestOutput.failure(rid, _safe_list(prompt_ids), f"request {rid!r}: {err}",
-                                                        ErrorKind.INVALID_REQUEST) for rid in ids)
+            self.scheduler.reject(RequestOutput.group_failure(request_id, n, _safe_list(prompt_ids), str(err),
+                                                              ErrorKind.INVALID_REQUEST))
             return ids
         if keep_kv:
             self.scheduler.keep_kv(ids)

@@ -4,6 +4,7 @@ prompt, and the padded tensors a trainer consumes. Plain data: every backend (in
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -80,3 +81,19 @@ class RolloutBatch:
                 out["kept_logmass"][i, :c] = torch.tensor(s.kept_logmass)
                 out["weight_versions"][i, :c] = torch.tensor(s.weight_versions)
         return {k: v.to(device) for k, v in out.items()} if device is not None else out
+
+
+def group_sizes(n: int | Sequence[int], count: int) -> list[int]:
+    """One group size per prompt, each an int >= 1; ValueError naming the bad value and its prompt otherwise."""
+    if isinstance(n, numbers.Integral) and not isinstance(n, bool):
+        if n < 1:
+            raise ValueError(f"n must be >= 1 (samples per prompt), got {n}")
+        return [int(n)] * count
+    if isinstance(n, (str, bytes)) or not isinstance(n, Sequence):
+        raise ValueError(f"n must be an int >= 1 or one int >= 1 per prompt, got {n!r}")
+    if len(n) != count:
+        raise ValueError(f"n has {len(n)} values for {count} prompts; pass one int, or exactly one per prompt")
+    for j, k in enumerate(n):
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"n[{j}] (the group size of prompt {j}) must be an int >= 1, got {k!r}")
+    return [int(k) for k in n]

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from rollout.engine.core.stats import EngineStats
+from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.manager import ContinuousBatchingManager, ManagerError
 from rollout.rl.batch import Prompt
 from rollout.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 MAX_LISTED_PROBLEMS = 5  # bad inputs named one by one in a rejection message; the rest are counted
 DROPPED = ("the generator's manager is stopped and dropped the request; call generator.manager.start() or create a "
@@ -27,6 +31,21 @@ def list_problems(problems: list[str]) -> str:
     """The first MAX_LISTED_PROBLEMS problems joined, and how many more there are."""
     more = len(problems) - MAX_LISTED_PROBLEMS
     return "; ".join(problems[:MAX_LISTED_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
+
+
+def check_every(items: Sequence[Any], check: Callable[[Any], T], label: str, failure: str, hint: str = "") -> list[T]:
+    """`check(item)` for every item, before anything is submitted; one ValueError naming every failing item by index
+    ("{label} {j}: why") otherwise."""
+    results, problems = [], []
+    for j, item in enumerate(items):
+        try:
+            results.append(check(item))
+        except (ValueError, TypeError) as err:
+            problems.append(f"{label} {j}: {err}")
+    if problems:
+        raise ValueError(f"{len(problems)} of {len(items)} {failure}, so nothing was submitted{hint}: "
+                         f"{list_problems(problems)}")
+    return results
 
 
 class EngineCalls:
@@ -69,7 +88,7 @@ class EngineCalls:
         long for the model)."""
         return self.engine().validate_prompt(self.token_ids(prompt))
 
-    def check_sampling(self, params: SamplingParams, what: str) -> SamplingParams:
+    def check_sampling(self, params: SamplingParams, what: str) -> ResolvedSampling:
         """The engine's resolved settings; ValueError naming `what` if they are rejected (nothing was submitted)."""
         try:
             return self.engine().validate_sampling(params)
@@ -83,7 +102,8 @@ class EngineCalls:
             self.manager.start()
         return f"{kind}{self._count}"
 
-    def submit(self, prompt_ids: list[int], request_id: str, params: SamplingParams, **options) -> None:
+    def submit(self, prompt_ids: list[int], request_id: str, params: SamplingParams | ResolvedSampling,
+               **options) -> None:
         """add_request, or ManagerError if the manager is stopped and dropped it."""
         if self.manager.add_request(prompt_ids, request_id=request_id, sampling_params=params, **options) is None:
             raise ManagerError(DROPPED)

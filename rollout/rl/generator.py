@@ -11,7 +11,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import numbers
 import random
 import time
 import weakref
@@ -24,13 +23,14 @@ from transformers import GenerationConfig, PreTrainedModel
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core.request import RequestStatus
 from rollout.engine.core.sequence_group import sequence_ids
+from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.manager import ContinuousBatchingManager
 from rollout.rl import scoring
 from rollout.rl.agents.env_calls import EnvCalls
 from rollout.rl.agents.episode import EpisodeBatch
 from rollout.rl.agents.runner import EpisodeRunner, check_episode_settings
-from rollout.rl.batch import Prompt, RolloutBatch, RolloutSample
-from rollout.rl.calls import MAX_LISTED_PROBLEMS, EngineCalls, list_problems
+from rollout.rl.batch import Prompt, RolloutBatch, RolloutSample, group_sizes
+from rollout.rl.calls import MAX_LISTED_PROBLEMS, EngineCalls, check_every
 from rollout.rl.scoring import ScoreBatch
 from rollout.rl.weights import StagedPairs, WeightUpdateError, apply_staged, check_on_update, stage_update
 from rollout.sampling_params import SamplingParams
@@ -96,6 +96,19 @@ class RolloutGenerator:
     def weight_version(self) -> int:
         return self.manager.engine.weight_version
 
+    # What a trainer reads of any backend (rollout.rl.backend.RolloutBackend).
+    shared_by_processes = False  # each data-parallel process runs its own generator
+    keeps_kv = True  # generate(keep_kv=True, continues=...) carries conversations' KV across calls
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights it generates with."""
+        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """ValueError if the engine would refuse these settings (nothing is submitted)."""
+        self.calls.check_sampling(params, "sampling_params")
+
     def stats(self) -> dict:
         return self.manager.stats()
 
@@ -118,24 +131,10 @@ class RolloutGenerator:
         """
         return self.calls.prompt_ids(prompt)
 
-    def _group_sizes(self, n: int | Sequence[int], count: int) -> list[int]:
-        """One group size per prompt, each an int >= 1; ValueError naming the bad value and its prompt otherwise."""
-        if isinstance(n, numbers.Integral) and not isinstance(n, bool):
-            if n < 1:
-                raise ValueError(f"n must be >= 1 (samples per prompt), got {n}")
-            return [int(n)] * count
-        if isinstance(n, (str, bytes)) or not isinstance(n, Sequence):
-            raise ValueError(f"n must be an int >= 1 or one int >= 1 per prompt, got {n!r}")
-        if len(n) != count:
-            raise ValueError(f"n has {len(n)} values for {count} prompts; pass one int, or exactly one per prompt")
-        for j, k in enumerate(n):
-            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-                raise ValueError(f"n[{j}] (the group size of prompt {j}) must be an int >= 1, got {k!r}")
-        return [int(k) for k in n]
-
     def _prepare(self, prompts: Sequence[Prompt], n: int | Sequence[int],
-                 params: SamplingParams) -> list[tuple[int, list[int], int]]:
-        """Encode and check every prompt before any is submitted: (index, ids, group size) per prompt.
+                 params: SamplingParams) -> tuple[list[tuple[int, list[int], int]], ResolvedSampling]:
+        """Encode and check every prompt before any is submitted: (index, ids, group size) per prompt, and the
+        settings resolved once for the whole call.
 
         Uses the engine's own rules (the ones `add_request` applies), so a batch that passes here is not failed at
         submission. Raises ValueError listing every bad prompt by index; nothing has been queued then.
@@ -144,20 +143,13 @@ class RolloutGenerator:
             raise ValueError(f"prompts must be a list of prompts (for one prompt, pass [prompt]), got "
                              f"{type(prompts).__name__}")
         try:
-            sizes = self._group_sizes(n, len(prompts))
+            sizes = group_sizes(n, len(prompts))
         except ValueError as err:
             raise ValueError(f"{err}; nothing was submitted") from None
-        self.calls.check_sampling(params, "sampling_params")
-        prepared, problems = [], []
-        for j, prompt in enumerate(prompts):
-            try:
-                prepared.append((j, self.calls.prompt_ids(prompt), sizes[j]))
-            except (ValueError, TypeError) as err:
-                problems.append(f"prompt {j}: {err}")
-        if problems:
-            raise ValueError(f"{len(problems)} of {len(prompts)} prompts cannot be served, so nothing was submitted "
-                             f"(fix or drop them and call again): {list_problems(problems)}")
-        return prepared
+        resolved = self.calls.check_sampling(params, "sampling_params")
+        ids = check_every(prompts, self.calls.prompt_ids, "prompt", "prompts cannot be served",
+                          " (fix or drop them and call again)")
+        return [(j, prompt_ids, sizes[j]) for j, prompt_ids in enumerate(ids)], resolved
 
     def submit(self, prompts: Sequence[Prompt], n: int | Sequence[int] = 1,
                sampling_params: SamplingParams | None = None, keep_kv: bool = False,
@@ -173,7 +165,7 @@ class RolloutGenerator:
         if continues is not None and len(continues) != len(prompts):
             raise ValueError(f"continues has {len(continues)} entries for {len(prompts)} prompts; pass one sequence "
                              "id (or None) per prompt. Nothing was submitted")
-        prepared = self._prepare(prompts, n, params)
+        prepared, resolved = self._prepare(prompts, n, params)
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         call = self.calls.begin("rollout")
         groups = []
@@ -181,7 +173,8 @@ class RolloutGenerator:
             for j, ids, size in prepared:
                 seed = derive_seed(base, j, SeedStream.PROMPT)
                 rid = f"{call}-{j}"
-                self.calls.submit(ids, rid, params.with_overrides(n=size, seed=seed), keep_kv=keep_kv,
+                # resolved once for the call: each group differs only in its size and seed
+                self.calls.submit(ids, rid, dataclasses.replace(resolved, n=size, seed=seed), keep_kv=keep_kv,
                                   continues=continues[j] if continues else None)
                 groups.append((j, ids, sequence_ids(rid, size)))
         except BaseException:
@@ -247,7 +240,7 @@ class RolloutGenerator:
         params = sampling_params or SamplingParams()
         engine = self.calls.engine()
         max_length = check_episode_settings(env, max_turns, max_length, engine.max_positions)
-        prepared = self._prepare(prompts, n, params)
+        prepared, _ = self._prepare(prompts, n, params)
         too_long = [j for j, ids, _ in prepared if max_length is not None and len(ids) >= max_length]
         if too_long:
             raise ValueError(f"prompts {too_long[:MAX_LISTED_PROBLEMS]} leave no room for a model turn under "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.engine.core.request import RequestOutput, RequestStatus
-from rollout.rl.calls import EngineCalls, list_problems
+from rollout.rl.calls import EngineCalls, check_every
 from rollout.sampling_params import SamplingParams
 
 
@@ -102,18 +102,14 @@ def prepare(calls: EngineCalls, prompts: Sequence, completions: Sequence, temper
     pair_up(prompts, completions)
     calls.check_sampling(score_params(1, temperature, top_logprobs), "scoring settings")
     engine = calls.engine()
-    pairs, problems = [], []
-    for j, (prompt, completion) in enumerate(zip(prompts, completions)):
-        try:
-            prompt_ids = calls.prompt_ids(prompt)
-            completion_ids = _completion_ids(calls, completion)
-            engine.validate_prompt(prompt_ids + completion_ids, prefill_only=True)
-            pairs.append((prompt_ids, completion_ids))
-        except (ValueError, TypeError) as err:
-            problems.append(f"pair {j}: {err}")
-    if problems:
-        raise ValueError(f"{len(problems)} of {len(prompts)} (prompt, completion) pairs cannot be scored, so nothing "
-                         f"was submitted: {list_problems(problems)}")
+
+    def checked(pair) -> tuple[list[int], list[int]]:
+        prompt_ids, completion_ids = calls.prompt_ids(pair[0]), _completion_ids(calls, pair[1])
+        engine.validate_prompt(prompt_ids + completion_ids, prefill_only=True)
+        return prompt_ids, completion_ids
+
+    pairs = check_every(list(zip(prompts, completions)), checked, "pair",
+                        "(prompt, completion) pairs cannot be scored")
     return pairs
 
 

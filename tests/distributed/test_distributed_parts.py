@@ -2,6 +2,8 @@
 rejection message, pooled metrics, and a worker's numbering of prompts (which is what makes a pool's results
 independent of which worker ran a group)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,8 +11,11 @@ from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams, 
 from rollout.distributed.balance import group_cost, spread
 from rollout.distributed.broadcast import collect_weights, pack, rejection, unpack
 from rollout.distributed.metrics import batch_stats, pooled, worker_metrics
+from rollout.distributed.pool import RolloutPool
+from rollout.distributed.server_pool import REMOTE_FIELDS, RolloutServerPool, refused_fields, remote_fields
 from rollout.distributed.spec import ModelSpec
 from rollout.engine.core.stats import EngineStats
+from rollout.rl.backend import RolloutBackend
 from rollout.rl.batch import RolloutBatch
 from tests.helpers.models import random_prompts, tiny_model
 from trainer_hooks.metrics import rollout_metrics
@@ -153,3 +158,27 @@ def test_a_worker_given_some_groups_generates_what_one_generator_given_all_does(
             worker.prepare([[1], [2], [3, 9999]], 1, params)
     finally:
         worker.close()
+
+
+# ------------------------------------------------------- what travels to servers
+def test_every_sampling_field_has_a_rule_for_servers():
+    """A new SamplingParams field cannot be dropped silently on the way to a server: the table must name it."""
+    assert set(REMOTE_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_server_fields_are_sent_translated_or_refused():
+    fields = remote_fields(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, seed=3, n=4,
+                                          stop_token_ids=[9], eos_token_id=[2, 9], do_sample=False))
+    assert fields == {"temperature": 0.0, "top_p": 0.9, "max_new_tokens": 5, "stop_token_ids": [2, 9]}
+    assert remote_fields(SamplingParams(do_sample=True, eos_token_id=7)) == {"stop_token_ids": [7]}
+    with pytest.raises(ValueError, match=r"allowed_token_ids .*; logprobs .*generate with an engine in this process"):
+        remote_fields(SamplingParams(allowed_token_ids=[1, 2], logprobs=2))
+    assert refused_fields(SamplingParams(logits_processors=[print])) == {
+        "logits_processors": "callables do not travel over HTTP"}
+
+
+def test_every_backend_says_what_it_is():
+    assert isinstance(RolloutGenerator(tiny_model("qwen3"), continuous_batching_config=CB), RolloutBackend)
+    for backend in (RolloutGenerator, RolloutPool, RolloutServerPool):
+        assert isinstance(backend.shared_by_processes, bool) and isinstance(backend.keeps_kv, bool)
+        assert callable(backend.check_sampling) and callable(backend.generate) and callable(backend.update_weights)

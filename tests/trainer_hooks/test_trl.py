@@ -170,7 +170,7 @@ def test_grpo_with_a_separate_rollout_server(tmp_path):
                                      args=GRPOConfig(**{**_common(tmp_path), "max_steps": 2}),
                                      train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
                                      rollout_server=url)
-        assert trainer.rollout_generator is None
+        assert trainer.rollout_generator is None and trainer.rollout_backend.shared_by_processes
         trainer.train()
         logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
         assert len(logs) == 2 and max(h["sampling/sampling_logp_difference/max"] for h in logs) < 1e-4
@@ -182,7 +182,7 @@ def test_grpo_with_a_separate_rollout_server(tmp_path):
         ref, safe = greedy_reference(trainer.model.eval(), prompt, 8)
         assert out["completion_ids"][:safe] == ref[:safe]
         local_only = GRPOConfig(**{**_common(tmp_path), "generation_kwargs": {"allowed_token_ids": [5, 6]}})
-        with pytest.raises(ValueError, match=r"\['allowed_token_ids'\] need the engine in this process"):
+        with pytest.raises(ValueError, match=r"allowed_token_ids \(token-id masks need the engine in this process\)"):
             RolloutGRPOTrainer(model=model, reward_funcs=reward_w7, args=local_only, processing_class=tok,
                                train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_server=url)
 

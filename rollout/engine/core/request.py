@@ -8,6 +8,13 @@ from enum import Enum, IntEnum
 
 from rollout.engine.sample.resolve import ResolvedSampling
 
+GROUP_SEPARATOR = "#"
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """Ids of the sequences a request produces: the request id for n <= 1, else `{id}#{i}` for i < n."""
+    return [request_id] if n <= 1 else [f"{request_id}{GROUP_SEPARATOR}{i}" for i in range(n)]
+
 
 class RequestStatus(IntEnum):
     """Lifecycle of a request. Values >= FINISHED are terminal."""
@@ -76,9 +83,17 @@ class RequestOutput:
 
     @classmethod
     def failure(cls, request_id: str, prompt_ids: list[int], error: str, kind: ErrorKind) -> RequestOutput:
-        """The output of a request that failed before the engine ran any of it."""
+        """The output of a sequence that failed before the engine ran any of it."""
         return cls(request_id=request_id, prompt_ids=prompt_ids, status=RequestStatus.FAILED, finish_reason="error",
                    error=error, error_kind=kind)
+
+    @classmethod
+    def group_failure(cls, request_id: str, n: int, prompt_ids: list[int], error: str, kind: ErrorKind,
+                      name_sequence: bool = True) -> list[RequestOutput]:
+        """The outputs of a request whose n sequences all failed before the engine ran any of them: the one place
+        such outputs are built. `name_sequence`: each error starts with its sequence's id."""
+        return [cls.failure(rid, list(prompt_ids), f"request {rid!r}: {error}" if name_sequence else error, kind)
+                for rid in sequence_ids(request_id, n)]
 
 
 class Request:

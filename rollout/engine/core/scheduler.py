@@ -76,11 +76,12 @@ class Scheduler:
                              prefix_hit_tokens=0)
 
     # ------------------------------------------------------------------ queues
-    def id_in_use(self, request_id: str, sequence_ids: Iterable[str]) -> str | None:
-        """The first of a new request's ids that a live request already uses, or None."""
-        if request_id in self.groups:
-            return request_id
-        return next((rid for rid in sequence_ids if rid in self.requests or rid in self.groups), None)
+    def check_ids_free(self, request_id: str, sequence_ids: Iterable[str]) -> None:
+        """ValueError if a live request already uses the new request's id or one of its sequences' ids."""
+        taken = request_id if request_id in self.groups else next(
+            (rid for rid in sequence_ids if rid in self.requests or rid in self.groups), None)
+        if taken is not None:
+            raise ValueError(f"request id {taken!r} is already in use; pass a unique request_id or None")
 
     def add(self, group: SequenceGroup, continues: str | None = None) -> None:
         """Queue a request's sequences: one prefill for the group (or none, if an identical prompt is queued).
@@ -88,9 +89,7 @@ class Scheduler:
         `continues`: the id of a kept sequence (see `kept_kv`) whose tokens the prompt extends; the group's prefill
         then starts from its KV. A continuation never shares its prefill with identical prompts.
         """
-        taken = self.id_in_use(group.request_id, group.ids)
-        if taken is not None:
-            raise ValueError(f"request id {taken!r} is already in use; pass a unique request_id")
+        self.check_ids_free(group.request_id, group.ids)
         self.groups[group.request_id] = group
         for member in group.members:
             self.requests[member.request_id] = member

@@ -1,4 +1,4 @@
-"""SequenceGroup: the n sequences one request asks for, and the one id scheme for them.
+"""SequenceGroup: the n sequences one request asks for (their ids: `request.sequence_ids`).
 
 A group shares its prompt's prefill: the leader (member 0) runs the prompt, and the others fork off its KV once the
 leader's first token is sampled (shared full blocks, a copied partial block), each drawing from the same logits row
@@ -10,16 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rollout.engine.core.request import Request
+from rollout.engine.core.request import GROUP_SEPARATOR, Request, sequence_ids
 from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.seeding import SeedStream, derive_seed
-
-GROUP_SEPARATOR = "#"
-
-
-def sequence_ids(request_id: str, n: int) -> list[str]:
-    """Ids of the sequences a request produces: the request id for n <= 1, else `{id}#{i}` for i < n."""
-    return [request_id] if n <= 1 else [f"{request_id}{GROUP_SEPARATOR}{i}" for i in range(n)]
 
 
 @dataclass
@@ -61,3 +54,6 @@ class SequenceGroup:
     def live(self) -> list[Request]:
         """Members that have not finished."""
         return [m for m in self.members if not m.is_finished()]
+
+
+__all__ = ["GROUP_SEPARATOR", "SequenceGroup", "sequence_ids"]

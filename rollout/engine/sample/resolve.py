@@ -49,6 +49,7 @@ class ResolvedSampling:
     prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt logprobs
     prompt_logprobs_start: int = 1  # first prompt position whose logprob is wanted
     prompt_logprobs_temperature: float = 1.0
+    n: int = 1  # sequences of the request: one prefill, n samples
 
     @property
     def truncates(self) -> bool:
@@ -116,6 +117,7 @@ def resolve_sampling(
         prompt_logprobs=p.prompt_logprobs,
         prompt_logprobs_start=1 if p.prompt_logprobs_start is None else p.prompt_logprobs_start,
         prompt_logprobs_temperature=1.0 if p.prompt_logprobs_temperature is None else p.prompt_logprobs_temperature,
+        n=p.n if isinstance(p.n, int) and not isinstance(p.n, bool) else 1,  # a bad n is refused below, by name
     )
     check_sampling(resolved, p)
     return resolved
