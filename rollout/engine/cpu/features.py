@@ -39,24 +39,20 @@ PACK_BATCH_HINT = 256
 SILU_GATE_DTYPES = (torch.float32,)
 # Steps of at most this many rows run fp32 linears through F.linear (MKL) instead of oneDNN's packed copies, on Intel
 # CPUs with an MKL torch whose packed sgemm is not used (below): reading each weight once for a few rows, MKL's sgemv
-# streamed the weights faster. On a 2-core Ice Lake Xeon, one pass over W1's linears took 4.5 vs 6.1 ms at 1 row, 6.7
-# vs 7.4 ms at 4, even at 8 and 2.5x slower at 16; a one-row decode step 8.9 vs 11.8 ms. On AMD EPYC the packed
-# one-row pass already streamed at ~33 GB/s, and MKL runs generic code paths there, so it keeps the packed copies.
-# ROLLOUT_UNPACKED_MAX_ROWS overrides (0: never).
+# streams the weights faster there (benchmarks/RESULTS.md, "Small steps"). On AMD EPYC the packed copies already
+# stream well, and MKL runs generic code paths there, so it keeps them. ROLLOUT_UNPACKED_MAX_ROWS overrides (0: never).
 UNPACKED_MAX_ROWS_INTEL = 4
 # Where MKL's packed sgemm serves fp32 linears (mkl_packed.py, Intel CPUs): it is faster from 3-4 rows on, MKL's sgemv
-# on the weights as stored at 1-2 (a pass over W1's linears 5.64 vs 5.36 ms at 1 row, 5.92 vs 5.66 at 2, 6.72 vs 8.25
-# at 4). A compiled one-row decode step runs 2 rows (compiled_forward.MIN_DIM).
+# on the weights as stored at 1-2 (RESULTS.md, "Linears"). A compiled one-row decode step runs 2 rows
+# (compiled_forward.MIN_DIM).
 UNPACKED_MAX_ROWS_MKL_PACKED = 2
 ENV_UNPACKED_MAX_ROWS = "ROLLOUT_UNPACKED_MAX_ROWS"
 # fp32 linears of steps with this many rows run the C kernel csrc/small_matmul.c on the weights as stored, where it
 # is built for AVX-512 (PackedLinears.unpacked_linear): at a few rows a step's linears are bound by streaming the
-# weights from memory, which the kernel does faster than oneDNN or MKL. One pass over W1's linears (103 MB) on a
-# 2-core Ice Lake Xeon, best of 5, ms: 4 rows 8.6-8.8 (MKL 10.3-10.4, packed 9.8-10.0), 8 rows 8.5-10.2 (MKL
-# 11.7-13.2, packed 10.4-11.2); 3 rows on par with MKL, 12-16 with packed. At 1-2 rows MKL's sgemv is as fast or
-# faster (unpacked_max_rows below). Built for AVX2 (-march=x86-64-v3, on the same machine) it was 0.94x packed at
-# 4 rows but 1.2x slower at 8: other builds keep the packed copies and MKL. Where MKL's packed sgemm serves (faster
-# still at 2-8 rows), the kernel is not used.
+# weights from memory, which the kernel does faster than oneDNN or MKL at 3-8 rows; at 1-2 rows MKL's sgemv is as
+# fast or faster (unpacked_max_rows below). Built for AVX2 it was slower than the packed copies at 8 rows, so other
+# builds keep them. Where MKL's packed sgemm serves (faster still at 2-8 rows), the kernel is not used. The figures:
+# benchmarks/results-history.md, "Serving" (why c=8 was behind).
 SMALL_MATMUL_ROWS = (3, 8)
 SMALL_MATMUL_ISAS = ("avx512f",)
 

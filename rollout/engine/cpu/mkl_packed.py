@@ -2,12 +2,9 @@
 engine's fp32 linears on Intel CPUs.
 
 Why: MKL keeps a weight in its own packed layout, and its compute on that layout beat oneDNN's packed matmul at every
-row count we measured on a 2-core Ice Lake Xeon (torch 2.13): one pass over W1's linears (103 MB, distinct weights
-per layer, gate and up stacked) took 0.81-0.86x the time at 16-64 rows, 0.89-0.94x at 128, 0.90-0.97x at 256, and
-0.96-1.02x at 4-8 rows against the best of oneDNN and the small-rows kernel; 64-stream decode steps 0.89x
-(benchmarks/linear_backends.py, tables in benchmarks/RESULTS.md). Each call also costs a few microseconds where
-`torch.ops.mkldnn._linear_pointwise` costs ~20 before any arithmetic, and needs no row padding (oneDNN builds kernels
-per row count). At 1-2 rows MKL's sgemv on the weights as stored is a little faster: `F.linear` keeps those steps
+row count we measured on Intel CPUs (benchmarks/linear_backends.py; the table is in benchmarks/RESULTS.md,
+"Linears"). Each call also costs far less fixed overhead than `torch.ops.mkldnn._linear_pointwise`, and needs no row
+padding (oneDNN builds kernels per row count). At 1-2 rows MKL's sgemv on the weights as stored is a little faster: `F.linear` keeps those steps
 (cpu_features.UNPACKED_MAX_ROWS_MKL_PACKED).
 
 How: torch's x86-64 Linux wheels link MKL statically and export its CBLAS functions from libtorch_cpu; they are

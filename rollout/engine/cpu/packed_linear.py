@@ -2,8 +2,8 @@
 engine's forward on CPU.
 
 Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
-into its blocked layout is faster at the batch sizes that carry the work (about 1.3x at 256 rows and 2x at 16 rows on
-a 2-core AVX-512 EPYC, see benchmarks/RESULTS.md), and it is plain fp32 arithmetic (no TF32/bf16 shortcuts). On Intel
+into its blocked layout is faster at the batch sizes that carry the work (benchmarks/RESULTS.md, "Linears"), and it is
+plain fp32 arithmetic (no TF32/bf16 shortcuts). On Intel
 CPUs MKL's own packed sgemm (mkl_packed.py) is faster still at every row count from 3 up, so it packs the fp32 copies
 there. Below that, the weights' streaming from memory decides: on Intel CPUs MKL's sgemv serves steps of 1-2 rows,
 and where oneDNN packs fp32 on AVX-512 builds, steps of 3-8 rows run the C kernel csrc/small_matmul.c
@@ -18,14 +18,13 @@ How, without changing the model: around the engine's forward only, each plain `n
 of the engine's forward, so a trainer running the same module concurrently keeps `F.linear` (and its autograd). A
 recognized SiLU-gated MLP (silu_gate.py) gets one too, running its gate and up projections as one fused pair of
 packed matmuls. A TorchFunctionMode would do the same without touching instances, but it taxes every op of the
-forward (about 8% of a W1 run). Copies are keyed by the weight tensor and its version counter, so an optimizer step
+forward. Copies are keyed by the weight tensor and its version counter, so an optimizer step
 on a shared module (in-place writes bump the counter) refreshes it on the next forward; writes through `.data` do
 not bump it, so every weight update through the engine (`set_weight_version`, which `update_weights` calls) marks
 all copies stale. A stale copy is refreshed in place, in its existing buffer, by strided copies along the layout
-packed_layout.py derived and verified for its shape and dtype (for W1 in fp32: 7.3 ms instead of 49 ms for a full
-repack, see benchmarks/RESULTS.md); where no layout could be verified it is repacked in full. MKL's copies are
-repacked in their own buffers (W1's in 19-22 ms on a 2-core Ice Lake Xeon, where oneDNN's in-place refresh took 29-41
-ms). A freed weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost
+packed_layout.py derived and verified for its shape and dtype (a fraction of a full repack: benchmarks/RESULTS.md,
+"RL layer"); where no layout could be verified it is repacked in full. MKL's copies are repacked in their own
+buffers. A freed weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost
 is one extra copy of the linear weights in RAM.
 
 Which dtypes: decided once per process by cpu_features.py, which packs a small weight of each dtype and checks the

@@ -2,11 +2,10 @@
  *
  * Why a kernel: a decode step of a few sequences reads every weight once and does a few FMAs per value, so its
  * linears are bound by how fast the weights stream from memory. oneDNN's matmul on the packed copies and MKL's sgemm
- * both stream them well under the machine's bandwidth at 3-8 rows (one pass over a 103 MB model: 10-12 ms at 8 rows
- * where one row through MKL's sgemv takes 6.5 ms; this kernel 8.5-10 ms). Here each thread walks its own run of weight
+ * both stream them well under the machine's bandwidth at 3-8 rows (benchmarks/RESULTS.md). Here each thread walks its own run of weight
  * rows front to back with a software prefetch a few KiB ahead, two weight rows at a time against up to 8 input rows
  * kept in L1 (2 where the vector registers are AVX2's or fewer). The engine uses it on AVX-512 builds only
- * (cpu_features.SMALL_MATMUL_ISAS).
+ * (cpu/features.py, SMALL_MATMUL_ISAS).
  *
  * Layout: x [M, K] with row stride ldx (unit stride within a row); w [N, K] contiguous; bias [N] or NULL; out [M, N]
  * with row stride ldo. Portable C with GCC/Clang vector types (lowered to the target's registers); the one intrinsic
