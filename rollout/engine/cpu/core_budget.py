@@ -2,14 +2,14 @@
 
 OpenMP workers spin-wait between parallel regions. When another process (a trainer, a second server, a build) keeps
 the same cores busy, a spinning worker burns the time slice its partner needs, and a decode step made of hundreds of
-small parallel regions slows down by an order of magnitude (benchmarks/results-history.md, "Serving"). The `"auto"` budget watches, per core this process may run
-on, how busy the other processes keep it, and steps with as many threads as there are free cores (at least one, at
-most the stepping thread's own count).
+small parallel regions slows down by an order of magnitude (benchmarks/results-history.md, "Serving"). The `"auto"`
+budget watches, per core this process may run on, how busy the other processes keep it, and steps with as many
+threads as there are free cores (at least one, at most the stepping thread's own count).
 
 The reading must be recent. Measured only when a step runs, the window of the first step after a quiet spell reached
 back over the whole spell: a server that waited while a neighbour worked stepped its next requests with one thread,
-however idle the neighbour had become by then. So a daemon thread reads /proc every `interval` whether or not the engine steps, and
-a step uses the last complete window, never older than two intervals.
+however idle the neighbour had become by then. So a daemon thread reads /proc every `interval` whether or not the
+engine steps, and a step uses the last complete window, never older than two intervals.
 
 `ContinuousBatchingConfig.cpu_threads`: None leaves the stepping thread's count alone, an int fixes it, "auto" adapts.
 """

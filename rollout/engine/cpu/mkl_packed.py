@@ -1,11 +1,11 @@
 """MKL's packed sgemm (`cblas_sgemm_pack` / `cblas_sgemm_compute`), reached inside torch's own library, for the
 engine's fp32 linears on Intel CPUs.
 
-Why: MKL keeps a weight in its own packed layout, and its compute on that layout beat oneDNN's packed matmul at every
-row count we measured on Intel CPUs (benchmarks/linear_backends.py; the table is in benchmarks/RESULTS.md,
+Why: MKL keeps a weight in its own packed layout, and its compute on that layout beat oneDNN's packed matmul at
+every row count we measured on Intel CPUs (benchmarks/linear_backends.py; the table is in benchmarks/RESULTS.md,
 "Linears"). Each call also costs far less fixed overhead than `torch.ops.mkldnn._linear_pointwise`, and needs no row
-padding (oneDNN builds kernels per row count). At 1-2 rows MKL's sgemv on the weights as stored is a little faster: `F.linear` keeps those steps
-(cpu_features.UNPACKED_MAX_ROWS_MKL_PACKED).
+padding (oneDNN builds kernels per row count). At 1-2 rows MKL's sgemv on the weights as stored is a little faster:
+`F.linear` keeps those steps (cpu_features.UNPACKED_MAX_ROWS_MKL_PACKED).
 
 How: torch's x86-64 Linux wheels link MKL statically and export its CBLAS functions from libtorch_cpu; they are
 called through ctypes (which releases the GIL for the call), so there is nothing to build and no new dependency. A
