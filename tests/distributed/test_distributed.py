@@ -16,7 +16,6 @@ ray = pytest.importorskip("ray", reason="the RolloutPool tests need Ray: pip ins
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams, WeightUpdateError  # noqa: E402
 from rollout.distributed import RolloutPool, init_local_ray  # noqa: E402
 from tests.helpers.models import perturbed, random_prompts, tiny_model  # noqa: E402
-from tests.helpers.tokenizers import tiny_tokenizer  # noqa: E402
 from tests.helpers.waiting import HANG_GUARD_S, FakeClock, wait_for  # noqa: E402
 from trainer_hooks import WeightSync, rollout_metrics  # noqa: E402
 
@@ -31,16 +30,6 @@ def cluster():
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

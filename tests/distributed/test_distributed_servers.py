@@ -16,7 +16,6 @@ from rollout.distributed import RolloutServerPool
 from rollout.server import create_app
 from tests.helpers.models import perturbed, random_prompts, tiny_model
 from tests.helpers.server import running_server
-from tests.helpers.tokenizers import tiny_tokenizer
 from trainer_hooks import rollout_metrics
 
 CB = ContinuousBatchingConfig(page_size=8, num_blocks=128)
@@ -31,16 +30,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @contextlib.contextmanager
