@@ -20,7 +20,7 @@ a warning says so and how to get OpenMP. On a many-core machine the multi-thread
 
 When no compiler is available, the build fails, the library does not fit this CPU, the dtype is not fp32/bf16, or
 `ROLLOUT_CPU_KERNEL=0` is set, the engine uses the PyTorch path in attention.py; the reason is logged once and shows
-in the CPU summary line (cpu_features.py).
+in the CPU summary line (cpu/features.py).
 """
 
 from __future__ import annotations

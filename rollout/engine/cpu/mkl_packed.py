@@ -16,7 +16,7 @@ in-place refresh 29-41 ms, same process).
 
 Where: used only where `available()` says so: a torch with MKL whose library exports the functions, a probe that
 compares packed results with `F.linear` at several row counts passes, and `ROLLOUT_MKL_PACKED` is not 0. The engine
-uses it on Intel CPUs (cpu_features.py): on AMD, MKL runs generic code paths and oneDNN keeps the linears, unless
+uses it on Intel CPUs (cpu/features.py): on AMD, MKL runs generic code paths and oneDNN keeps the linears, unless
 `ROLLOUT_MKL_PACKED=1` asks for MKL on any CPU.
 """
 

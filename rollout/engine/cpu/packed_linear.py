@@ -27,7 +27,7 @@ packed_layout.py derived and verified for its shape and dtype (a fraction of a f
 buffers. A freed weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost
 is one extra copy of the linear weights in RAM.
 
-Which dtypes: decided once per process by cpu_features.py, which packs a small weight of each dtype and checks the
+Which dtypes: decided once per process by cpu/features.py, which packs a small weight of each dtype and checks the
 result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
 keep `F.linear` (the same tokens, unpacked) while fp32 ones are packed. An explicit `prepack_weights=True` for a
 model whose dtype cannot be packed here is a ValueError (require_packing) rather than a silent no-op.
@@ -184,7 +184,7 @@ class PackedLinears:
     def __init__(self, model: torch.nn.Module, dtypes: frozenset[torch.dtype] | None = None,
                  mkl: bool | None = None) -> None:
         self.model = model
-        # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu_features.py)
+        # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
         self._packs: dict[int, _Pack] = {}  # by id(weight)
         # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own

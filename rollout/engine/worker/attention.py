@@ -3,7 +3,7 @@
 The function is selected for the engine's forward only (see `engine_attention`), never left switched on the module:
 the same module may be trained between generation calls.
 
-CPU: by default one call of the C kernel in cpu_kernel.py per layer attends every token of the step straight from
+CPU: by default one call of the C kernel in cpu/kernel.py per layer attends every token of the step straight from
 the pages (no gather). PyTorch path (no compiler, fp16, or `ROLLOUT_CPU_KERNEL=0`): decode rows (one query token
 each) are sorted by context length and attended in a few buckets, each against a gather of its rows' own KV blocks
 (whole pages are gathered with one `index_select`, far cheaper than a per-token gather); each prefill chunk is
