@@ -20,7 +20,7 @@ _EXPORTS = {
     "ServerLostError": "rollout.distributed.server_pool",
     "WeightTransport": "rollout.distributed.broadcast",
     "WorkersLostError": "rollout.distributed.pool",
-    "init_local_ray": "rollout.distributed.pool",
+    "init_local_ray": "rollout.distributed.cluster",
 }
 
 

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 try:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError("rollout.distributed.RolloutPool needs Ray: pip install 'rollout[ray]'") from _err
@@ -36,6 +36,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 from rollout.config import ContinuousBatchingConfig
 from rollout.distributed.balance import group_cost, spread
 from rollout.distributed.broadcast import ObjectStoreTransport, WeightTransport, collect_weights, pack, rejection
+from rollout.distributed.cluster import PLACEMENT_STRATEGIES, first_line, init_local_ray, ray_get, ready_placement_group
 from rollout.distributed.metrics import batch_stats, engine_stats, pooled
 from rollout.distributed.spec import ModelSpec
 from rollout.distributed.worker import CONCURRENCY_GROUPS, RolloutWorker
@@ -48,7 +49,6 @@ from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class WorkersLostError(RuntimeError):
@@ -83,26 +83,6 @@ class _Usage:
     groups: int = 0
     queued_tokens: int = 0
     seconds: float = 0.0
-
-
-WORKER_NICENESS = "RAY_worker_niceness"
-
-
-def init_local_ray(**options) -> None:
-    """`ray.init(**options)` for a cluster this process starts, with its workers at the driver's priority.
-
-    Ray starts its workers at nice 15. Beside a trainer, or any other busy process on the same cores, a worker then
-    gets a few percent of a core: with two busy processes on a 2-core machine a rollout worker took minutes to start
-    and generated as slowly. $RAY_worker_niceness, if set, is left as it is.
-    """
-    unset = WORKER_NICENESS not in os.environ
-    if unset:
-        os.environ[WORKER_NICENESS] = "0"
-    try:
-        ray.init(**options)
-    finally:
-        if unset:
-            del os.environ[WORKER_NICENESS]
 
 
 class RolloutPool:
@@ -155,7 +135,7 @@ class RolloutPool:
                                "device": "cuda" if num_gpus else "cpu", "torch_threads": torch_threads,
                                "transport": self._transport}
         self._actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RolloutWorker)
-        self._groups = [self._placement_group(workers, placement_strategy)]
+        self._groups = [ready_placement_group(self._resources, workers, placement_strategy, self.startup_timeout)]
         weights = ray.put(pack(collect_weights(model))) if self.spec.path is None else None
         try:
             self._launch([(0, i) for i in range(workers)], weights, version=0)
@@ -198,7 +178,7 @@ class RolloutPool:
         out = {}
         for worker, ref in refs.items():
             with self._losing(worker):
-                out[worker.id] = self._get(ref, self.hang_timeout)
+                out[worker.id] = ray_get(ref, self.hang_timeout)
         return out
 
     def stats(self) -> EngineStats:
@@ -255,7 +235,7 @@ class RolloutPool:
         while True:
             worker = self._live()[0]
             with self._losing(worker):
-                return self._get(worker.actor.prepare.remote(prompts, n, params), self.hang_timeout)
+                return ray_get(worker.actor.prepare.remote(prompts, n, params), self.hang_timeout)
 
     def _run(self, groups: dict[int, tuple[list[int], int]], costs: dict[int, int], params: SamplingParams
              ) -> tuple[dict[int, list[RolloutSample]], dict[int, _Usage]]:
@@ -271,9 +251,9 @@ class RolloutPool:
                     dispatch = pending.pop(ref)
                     self._settle(dispatch)
                     try:
-                        samples, window = self._get(ref)
+                        samples, window = ray_get(ref)
                     except (RayActorError, ManagerError) as err:
-                        self._lose(dispatch.worker, f"{type(err).__name__}: {_first_line(err)}")
+                        self._lose(dispatch.worker, f"{type(err).__name__}: {first_line(err)}")
                         self._dispatch(dispatch.groups, groups, costs, params, pending)
                         continue
                     for sample in samples:
@@ -364,9 +344,9 @@ class RolloutPool:
         for worker, ref in staged.items():
             with self._losing(worker):
                 try:
-                    self._get(ref, self.hang_timeout)
+                    ray_get(ref, self.hang_timeout)
                 except (ValueError, RayTaskError) as err:  # WeightUpdateError, or anything else that failed staging
-                    problems[f"worker {worker.id}"] = str(err) if isinstance(err, ValueError) else _first_line(err)
+                    problems[f"worker {worker.id}"] = str(err) if isinstance(err, ValueError) else first_line(err)
         timing["stage"] = time.perf_counter() - start - timing["collect"] - timing["publish"]
         if problems:
             for worker in self._workers:
@@ -377,9 +357,9 @@ class RolloutPool:
         for worker, ref in commits.items():
             with self._losing(worker):
                 try:
-                    version = self._get(ref, self.hang_timeout)
+                    version = ray_get(ref, self.hang_timeout)
                 except (ValueError, RayTaskError) as err:
-                    version = f"a failed commit ({_first_line(err)})"
+                    version = f"a failed commit ({first_line(err)})"
                 if version != expected:  # never leave a worker on another version than the pool
                     self._lose(worker, f"it is at {version} after the update, the pool at version {expected}")
         self._live()
@@ -410,7 +390,7 @@ class RolloutPool:
             free = [(g, i) for g, group in enumerate(self._groups) for i in range(len(group.bundle_specs))
                     if (g, i) not in taken]
             if not free:
-                self._groups.append(self._placement_group(1, "PACK"))
+                self._groups.append(ready_placement_group(self._resources, 1, "PACK", self.startup_timeout))
                 free = [(len(self._groups) - 1, 0)]
             return self._launch(free[:1], weights, self._version)[0]
 
@@ -424,7 +404,7 @@ class RolloutPool:
             started.append(_Worker(self._next_id, actor, (group, index)))
             self._next_id += 1
         try:
-            infos = self._get([w.actor.info.remote() for w in started], self.startup_timeout)
+            infos = ray_get([w.actor.info.remote() for w in started], self.startup_timeout)
         except (GetTimeoutError, RayActorError) as err:
             for worker in started:
                 ray.kill(worker.actor)
@@ -441,18 +421,6 @@ class RolloutPool:
                     [w.id for w in started], infos[0]["device"], infos[0]["dtype"], len(self._workers))
         return [w.id for w in started]
 
-    def _placement_group(self, bundles: int, strategy: str):
-        group = placement_group([dict(self._resources) for _ in range(bundles)], strategy=strategy)
-        try:
-            ray.get(group.ready(), timeout=self.startup_timeout)
-        except GetTimeoutError:
-            remove_placement_group(group)
-            raise TimeoutError(f"the Ray cluster cannot place {bundles} worker(s) with {self._resources} each "
-                               f"({strategy}) within {self.startup_timeout:g}s; available: "
-                               f"{ray.available_resources()}. Use fewer workers, smaller num_cpus/num_gpus, or add "
-                               "nodes") from None
-        return group
-
     def _live(self) -> list[_Worker]:
         if not self._workers:
             lost = "; ".join(f"worker {i}: {why}" for i, why in self.lost[-4:])
@@ -465,7 +433,7 @@ class RolloutPool:
         try:
             yield
         except (RayActorError, ManagerError) as err:
-            self._lose(worker, f"{type(err).__name__}: {_first_line(err)}")
+            self._lose(worker, f"{type(err).__name__}: {first_line(err)}")
         except GetTimeoutError:
             self._lose(worker, f"no answer within {self.hang_timeout:g}s (hung; killed)")
 
@@ -479,17 +447,3 @@ class RolloutPool:
             ray.kill(worker.actor)
         logger.warning("rollout worker %d left the pool (%s); %d worker(s) remain and take over its unfinished "
                        "groups. add_worker() starts a replacement.", worker.id, why, len(self._workers))
-
-    @staticmethod
-    def _get(ref, timeout: float | None = None):
-        """ray.get that raises a worker's own ValueError (WeightUpdateError too) and ManagerError as themselves."""
-        try:
-            return ray.get(ref, timeout=timeout)
-        except RayTaskError as err:
-            if isinstance(err.cause, (ValueError, ManagerError)):
-                raise err.cause from None
-            raise
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
