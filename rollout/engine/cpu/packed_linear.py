@@ -39,15 +39,15 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from rollout.engine.cpu import kernel as cpu_kernel
-from rollout.engine.cpu import mkl_packed, packed_layout
+from rollout.engine.cpu import mkl_packed
 from rollout.engine.cpu.features import PACK_BATCH_HINT, SMALL_MATMUL_ROWS, cpu_features, unpacked_max_rows
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
+from rollout.engine.cpu.packed_copy import PackedCopy, stacked_values
 from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
 
 # oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to a bucket (powers of
@@ -124,59 +124,6 @@ def require_packing(model: torch.nn.Module) -> None:
                          f"CPU supports ({dtype} linears then run on F.linear), or set it to False")
 
 
-def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The values a packed copy holds: one weight, or several stacked along their output rows."""
-    return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-
-
-@dataclass
-class _Pack:
-    """The packed copy of one weight, or of several weights with one input stacked along their output rows (a
-    layer's q, k and v projections: one matmul instead of three), and what it was packed from."""
-
-    refs: tuple[weakref.ref, ...]  # the weights (the death of any drops this entry)
-    data_ptrs: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: torch.dtype
-    versions: tuple[int, ...]  # the weights' version counters when packed
-    epoch: int  # PackedLinears._epoch when packed (clear() bumps it: writes through .data bump no version)
-    packed: torch.Tensor | MklPackedWeight  # oneDNN's blocked copy, or MKL's (fp32 where cpu_features says so)
-    # once refreshed in place: the verified layout of `packed` and its memory as a flat tensor (an alias of it)
-    layout: packed_layout.BlockedLayout | None = None
-    buffer: torch.Tensor | None = None
-
-    def current(self, weights: tuple[torch.Tensor, ...], epoch: int) -> bool:
-        return self.epoch == epoch and all(w._version == v for w, v in zip(weights, self.versions))
-
-    def same_tensors(self, weights: tuple[torch.Tensor, ...]) -> bool:
-        """Whether `weights` are the tensors packed, with the same storage, shapes and dtype (their values may
-        differ)."""
-        return len(weights) == len(self.refs) and all(
-            ref() is w and ptr == w.data_ptr() and shape == tuple(w.shape) and w.dtype == self.dtype
-            for ref, ptr, shape, w in zip(self.refs, self.data_ptrs, self.shapes, weights))
-
-    def refresh_in_place(self, weights: tuple[torch.Tensor, ...]) -> bool:
-        """Write the new values of `weights` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
-        them out (MKL's copies: repacked into their own buffer); False, with nothing written, where no verified layout
-        fits (the caller then repacks in full)."""
-        if isinstance(self.packed, MklPackedWeight):
-            with torch.no_grad():
-                self.packed.repack(_stacked(weights))
-            self.versions = tuple(w._version for w in weights)
-            return True
-        if self.buffer is None:
-            shape = (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
-            layout = packed_layout.layout_for(shape, self.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
-            buffer = layout.buffer(self.packed) if layout is not None else None
-            if buffer is None:
-                return False
-            self.layout, self.buffer = layout, buffer
-        with torch.no_grad():
-            self.layout.write_flat(self.buffer, _stacked(weights))
-        self.versions = tuple(w._version for w in weights)
-        return True
-
-
 class PackedLinears:
     """Context manager around the engine's forward: plain fp32/bf16 CPU `nn.Linear`s of `model` run on packed
     weights."""
@@ -186,9 +133,9 @@ class PackedLinears:
         self.model = model
         # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
-        self._packs: dict[int, _Pack] = {}  # by id(weight)
+        self._packs: dict[int, PackedCopy] = {}  # by id(weight)
         # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own
-        self._stacks: dict[tuple[int, ...], _Pack] = {}
+        self._stacks: dict[tuple[int, ...], PackedCopy] = {}
         self._epoch = 0
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
@@ -217,9 +164,9 @@ class PackedLinears:
             if entry.refresh_in_place(weights):
                 entry.epoch = self._epoch
                 return entry.packed
-        packed = self._new_pack(_stacked(weights))
+        packed = self._new_pack(stacked_values(weights))
         refs = tuple(weakref.ref(w, lambda _: store.pop(key, None)) for w in weights)  # a freed weight frees it
-        store[key] = _Pack(refs, tuple(w.data_ptr() for w in weights), tuple(tuple(w.shape) for w in weights),
+        store[key] = PackedCopy(refs, tuple(w.data_ptr() for w in weights), tuple(tuple(w.shape) for w in weights),
                            weights[0].dtype, tuple(w._version for w in weights), self._epoch, packed)
         return packed
 

@@ -1,0 +1,66 @@
+"""PackedCopy: one packed copy of a weight (or of weights stacked along their output rows) and what it was packed
+from, so PackedLinears can tell when it went stale and refresh it in its own buffer."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.cpu import packed_layout
+from rollout.engine.cpu.features import PACK_BATCH_HINT
+from rollout.engine.cpu.mkl_packed import MklPackedWeight
+
+
+def stacked_values(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The values a packed copy holds: one weight, or several stacked along their output rows."""
+    return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+
+
+@dataclass
+class PackedCopy:
+    """The packed copy of one weight, or of several weights with one input stacked along their output rows (a
+    layer's q, k and v projections: one matmul instead of three), and what it was packed from."""
+
+    refs: tuple[weakref.ref, ...]  # the weights (the death of any drops this entry)
+    data_ptrs: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    versions: tuple[int, ...]  # the weights' version counters when packed
+    epoch: int  # PackedLinears._epoch when packed (clear() bumps it: writes through .data bump no version)
+    packed: torch.Tensor | MklPackedWeight  # oneDNN's blocked copy, or MKL's (fp32 where cpu_features says so)
+    # once refreshed in place: the verified layout of `packed` and its memory as a flat tensor (an alias of it)
+    layout: packed_layout.BlockedLayout | None = None
+    buffer: torch.Tensor | None = None
+
+    def current(self, weights: tuple[torch.Tensor, ...], epoch: int) -> bool:
+        return self.epoch == epoch and all(w._version == v for w, v in zip(weights, self.versions))
+
+    def same_tensors(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Whether `weights` are the tensors packed, with the same storage, shapes and dtype (their values may
+        differ)."""
+        return len(weights) == len(self.refs) and all(
+            ref() is w and ptr == w.data_ptr() and shape == tuple(w.shape) and w.dtype == self.dtype
+            for ref, ptr, shape, w in zip(self.refs, self.data_ptrs, self.shapes, weights))
+
+    def refresh_in_place(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Write the new values of `weights` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
+        them out (MKL's copies: repacked into their own buffer); False, with nothing written, where no verified layout
+        fits (the caller then repacks in full)."""
+        if isinstance(self.packed, MklPackedWeight):
+            with torch.no_grad():
+                self.packed.repack(stacked_values(weights))
+            self.versions = tuple(w._version for w in weights)
+            return True
+        if self.buffer is None:
+            shape = (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
+            layout = packed_layout.layout_for(shape, self.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
+            buffer = layout.buffer(self.packed) if layout is not None else None
+            if buffer is None:
+                return False
+            self.layout, self.buffer = layout, buffer
+        with torch.no_grad():
+            self.layout.write_flat(self.buffer, stacked_values(weights))
+        self.versions = tuple(w._version for w in weights)
+        return True
