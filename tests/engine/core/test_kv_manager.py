@@ -204,9 +204,8 @@ class KVTrace(RuleBasedStateMachine):
         sequence_id, tokens = self.parked.pop(index % len(self.parked))
         req = self._new([*tokens, *([5] * extra)])
         if self.kv.adopt_kept(req, sequence_id):
-            assert extra > 0, "a continuation must add a token to compute"
-            assert req.num_computed <= len(tokens)
             self.live.append(req)
+            assert req.num_computed < len(req.tokens), "a continuation always has a token left to compute"
 
     @rule()
     def new_weights(self):
