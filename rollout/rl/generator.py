@@ -240,7 +240,7 @@ class RolloutGenerator:
         params = sampling_params or SamplingParams()
         engine = self.calls.engine()
         max_length = check_episode_settings(env, max_turns, max_length, engine.max_positions)
-        prepared, _ = self._prepare(prompts, n, params)
+        prepared, resolved = self._prepare(prompts, n, params)
         too_long = [j for j, ids, _ in prepared if max_length is not None and len(ids) >= max_length]
         if too_long:
             raise ValueError(f"prompts {too_long[:MAX_LISTED_PROBLEMS]} leave no room for a model turn under "
@@ -250,8 +250,8 @@ class RolloutGenerator:
         window = self.calls.window_start()
         env_calls = EnvCalls(env_workers, env_timeout)
         try:
-            runner = EpisodeRunner(self.calls, env, params, engine.validate_sampling(params).max_new_tokens,
-                                   max_turns, max_length, env_calls, call, chat_template_kwargs)
+            runner = EpisodeRunner(self.calls, env, params, resolved.max_new_tokens, max_turns, max_length, env_calls,
+                                   call, chat_template_kwargs)
             episodes = runner.run(prepared, base)
         finally:
             env_calls.close()
@@ -318,5 +318,5 @@ def _hard_stop(manager: ContinuousBatchingManager) -> None:
                                                    "interpreter is exiting; call close() to finish requests first")
 
 
-__all__ = ["RolloutBatch", "RolloutGenerator", "RolloutSample", "WeightUpdateError", "generation_copy"]  # batch's
-# data types too, where they were first defined
+# RolloutBatch and RolloutSample live in rollout.rl.batch; they are still importable from here, where they began.
+__all__ = ["RolloutBatch", "RolloutGenerator", "RolloutSample", "WeightUpdateError", "generation_copy"]
