@@ -43,21 +43,23 @@ logger = logging.getLogger(__name__)
 
 # How each SamplingParams field reaches a `rollout serve` process: the one table `remote_fields` and
 # `RolloutServerPool.check_sampling` read. SENT: a completion request field of the same meaning. POOL: set by the pool
-# per group (the seed of each group, its size). A function: translated to request fields. A string: why the field
-# cannot travel (a request that sets it is refused). tests/distributed check that every field is here.
+# per group (the seed of each group, its size). A function: (value, the fields so far) -> the request fields it sets.
+# A string: why the field cannot travel (a request that sets it is refused). tests/distributed check that every field
+# is here.
 SENT, POOL = "sent", "set by the pool"
 
 
-def _do_sample(value: bool) -> dict:
+def _do_sample(value: bool, fields: dict) -> dict:
     return {} if value else {"temperature": 0.0}  # greedy; sampling is the server's default
 
 
-def _eos_token_id(value: int | Sequence[int]) -> dict:
+def _eos_token_id(value: int | Sequence[int], fields: dict) -> dict:
     # The server stops on its tokenizer's EOS too; requested EOS ids end a sequence there as stop ids do here.
-    return {"stop_token_ids": [value] if isinstance(value, int) else list(value)}
+    ids = [value] if isinstance(value, int) else list(value)
+    return {"stop_token_ids": sorted({*fields.get("stop_token_ids", ()), *ids})}
 
 
-REMOTE_FIELDS: dict[str, str | Callable[[Any], dict]] = {
+REMOTE_FIELDS: dict[str, str | Callable[[Any, dict], dict]] = {
     **dict.fromkeys(("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
                      "min_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos", "logit_bias", "json_schema",
                      "regex", "choice", "grammar"), SENT),
@@ -100,8 +102,7 @@ def remote_fields(params: SamplingParams) -> dict:
         if rule == SENT:
             fields[name] = value
         else:
-            for key, translated in rule(value).items():
-                fields[key] = sorted({*fields.get(key, ()), *translated}) if key == "stop_token_ids" else translated
+            fields.update(rule(value, fields))
     return fields
 
 
