@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 EMBEDDED = ROOT / "rollout" / "assets" / "tiny-policy"
 HEAVY = ("torch", "transformers", "fastapi", "uvicorn")
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 PACKAGES = ("rollout", "trainer_hooks")
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
