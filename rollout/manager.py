@@ -6,8 +6,7 @@ step boundary. Pausing is a counter, not a lock: `pause()` (or `pause_generation
 thread) parks the loop between two steps, and cancel, stats and weight copies still work while it is parked.
 
 A request submitted with `on_output` has its outputs pushed to that callback (`rollout.output_router`). Other results
-land in per-request slots (a dict of finished outputs and one queue per streaming request) guarded by one condition
-variable, so a caller waiting on request A is never disturbed by request B. If the loop thread dies, every waiter is
+land in per-request slots (`rollout.result_slots`). If the loop thread dies, every waiter is
 woken and gets the error, and every routed sequence gets a final SHUTDOWN failure.
 
 Interpreter exit: every started manager is registered with `rollout.interpreter_exit`, which hard-stops the loops
@@ -19,17 +18,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from rollout import interpreter_exit
+from rollout import interpreter_exit, thread_teams
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core.request import ErrorKind, RequestOutput, sequence_ids
 from rollout.engine.core.stats import EngineStats
@@ -37,43 +34,19 @@ from rollout.engine.engine import LLMEngine
 from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.engine.worker.warm_up import WarmUp, warm_up
 from rollout.output_router import OutputCallback, OutputRouter
+from rollout.result_slots import POLL_S, ResultSlots
 from rollout.sampling_params import SamplingParams
+from rollout.submission import Submission, with_overrides
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.5  # safety net: how often blocked stream readers re-check that the loop is alive
-_DEAD = object()  # pushed into every stream queue when the loop dies
 _HARD_STOP_ERROR = "RuntimeError: the manager was hard-stopped"
 _DESTROYED_ERROR = "RuntimeError: the manager was destroyed before this request finished"
+
 
 class ManagerError(RuntimeError):
     """The manager cannot serve: its loop thread died, or it was destroyed."""
 
-
-
-@dataclass(frozen=True)
-class Submission:
-    """One `add_request` waiting in the inbox for the loop to hand it to the engine."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams | ResolvedSampling
-    streaming: bool = False
-    keep_kv: bool = False
-    continues: str | None = None
-
-    def failures(self, error: str, kind: ErrorKind, name_sequence: bool = True) -> list[RequestOutput]:
-        return RequestOutput.group_failure(self.request_id, self.params.n, self.prompt, error, kind, name_sequence)
-
-
-def _with_overrides(params: SamplingParams | ResolvedSampling | None, **overrides) -> SamplingParams | ResolvedSampling:
-    """`params` with `add_request`'s keyword overrides applied; settings already resolved take none."""
-    if not isinstance(params, ResolvedSampling):
-        return (params or SamplingParams()).with_overrides(**overrides)
-    given = sorted(name for name, value in overrides.items() if value is not None)
-    if given:
-        raise TypeError(f"sampling_params is already resolved (ResolvedSampling); pass {given} in it instead")
-    return params
 
 class ContinuousBatchingManager:
     """Runs continuous batching in a background thread; submit, stream, cancel and collect from any thread."""
@@ -86,9 +59,8 @@ class ContinuousBatchingManager:
         self._engine_lock = threading.RLock()
         self._cv = threading.Condition()  # guards everything below and wakes the loop and readers
         self._inbox: deque[Submission] = deque()
-        self._finished: OrderedDict[str, RequestOutput] = OrderedDict()
-        self._streams: dict[str, queue.SimpleQueue] = {}
-        self._pending: set[str] = set()  # submitted, result not yet handed to a caller
+        self._slots = ResultSlots(self._cv, self._wait_for, self._raise_if_dead,
+                                  lambda: self._driver is threading.current_thread())
         self._router = OutputRouter()  # callbacks of requests submitted with on_output
         self._thread: threading.Thread | None = None
         self._accepting = True
@@ -167,8 +139,7 @@ class ContinuousBatchingManager:
             self.engine = None
 
     def __del__(self):  # pragma: no cover - best effort
-        # A running loop keeps its manager alive, so this only meets a stopped (or never started) manager: it fails
-        # whatever is still queued. Loops still running at interpreter exit are stopped by `stop_all_managers`.
+        # Only a stopped (or never started) manager gets here (a running loop keeps it alive): fail what is queued.
         with contextlib.suppress(Exception):
             self.stop(hard_stop=True, timeout=1.0)
 
@@ -214,7 +185,7 @@ class ContinuousBatchingManager:
         free what a kept sequence holds with `release_kv`. Settings already resolved (`engine.validate_sampling`,
         for many requests alike) are used as they are and take no overrides.
         """
-        params = _with_overrides(sampling_params, max_new_tokens=max_new_tokens, **overrides)
+        params = with_overrides(sampling_params, max_new_tokens=max_new_tokens, **overrides)
         with self._cv:
             self._check_usable()
             if not self._accepting:
@@ -224,15 +195,14 @@ class ContinuousBatchingManager:
             if request_id is None:
                 request_id = self._require_engine().new_request_id()
             ids = sequence_ids(request_id, params.n)
-            taken = [rid for rid in ids if rid in self._pending or rid in self._streams or rid in self._router]
+            taken = [rid for rid in ids if self._slots.in_use(rid) or rid in self._router]
             if taken:
                 raise ValueError(f"request id {taken[0]!r} is already in use by a request that has not been "
                                  "collected; pass a unique request_id or None")
             if on_output is not None:
                 self._router.register(ids, on_output)
             else:
-                self._pending.update(ids)
-                self._streams.update((rid, queue.SimpleQueue()) for rid in ids if streaming)
+                self._slots.open(ids, streaming)
             self._inbox.append(Submission(request_id, list(input_ids), params, streaming, keep_kv, continues))
             self._threads = torch.get_num_threads()  # the loop steps with the submitter's intra-op thread count
             self._cv.notify_all()
@@ -269,10 +239,8 @@ class ContinuousBatchingManager:
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         """Block until `predicate()` holds (False after `timeout` seconds), stepping the engine meanwhile if this
-        thread is `stepping_in_caller`. The predicate is re-checked after every step and every `notify()`, so a
-        caller waiting on its own events (outputs routed to its `on_output`, work finished by other threads) keeps
-        the engine going; whoever makes the predicate true from another thread without an engine step calls
-        `notify()`."""
+        thread is `stepping_in_caller`. The predicate is re-checked after every step and every `notify()`: whoever
+        makes it true from another thread without an engine step calls `notify()`."""
         with self._cv:
             return self._wait_for(predicate, timeout)
 
@@ -283,70 +251,23 @@ class ContinuousBatchingManager:
 
     # ----------------------------------------------------------------- results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
-        """The next finished output, or the one for `request_id`; waits up to `timeout` (None: forever).
-
-        Returns None on timeout. Waiting for one id never disturbs results of others.
-        """
-        with self._cv:
-            if request_id is not None and request_id not in self._pending:
-                raise KeyError(f"unknown request id {request_id!r}: never submitted, already collected, streaming "
-                               "(read it with request_id_iter) or routed (its on_output callback gets it)")
-            ready = (lambda: request_id in self._finished) if request_id else (lambda: bool(self._finished))
-            if not self._wait_for(ready, timeout):
-                return None
-            out = self._finished.pop(request_id) if request_id else self._finished.popitem(last=False)[1]
-            self._pending.discard(out.request_id)
-            return out
+        """The next finished output, or the one for `request_id`; waits up to `timeout` (None: forever), then None.
+        Waiting for one id never disturbs results of others."""
+        return self._slots.get(request_id, timeout)
 
     def __iter__(self) -> Iterator[RequestOutput]:
         """Yield outputs as they finish until every submitted non-streaming request has been collected."""
-        while True:
-            with self._cv:
-                self._wait_for(lambda: bool(self._finished) or not self._non_streaming_pending(), None)
-                if not self._finished:
-                    return
-                out = self._finished.popitem(last=False)[1]
-                self._pending.discard(out.request_id)
-            yield out
+        return self._slots.drain()
 
     def request_id_iter(self, request_id: str) -> Iterator[RequestOutput]:
         """Partial outputs of a streaming request as tokens arrive, ending with its final output."""
-        with self._cv:
-            stream = self._streams.get(request_id)
-            if stream is None and request_id not in self._pending:
-                raise KeyError(f"unknown request id {request_id!r}: never submitted, already collected, or routed "
-                               "(its on_output callback gets its outputs)")
-        if stream is None:  # not streaming: one final output
-            out = self.get_result(request_id)
-            if out is not None:
-                yield out
-            return
-        while True:
-            if self._driver is threading.current_thread():
-                with self._cv:
-                    self._wait_for(lambda: not stream.empty(), _POLL_S)
-            try:
-                out = stream.get(timeout=_POLL_S)
-            except queue.Empty:
-                self._raise_if_dead()
-                continue
-            if out is _DEAD:
-                self._raise_if_dead()
-            if out.is_finished():
-                with self._cv:
-                    self._streams.pop(request_id, None)
-                    self._pending.discard(request_id)
-            yield out
-            if out.is_finished():
-                return
+        return self._slots.stream(request_id)
 
     def warm_up(self, max_tokens: int) -> WarmUp:
         """Run one throwaway step per row bucket up to `max_tokens` prompt tokens before serving (rollout.engine.
         warm_up), on the calling thread; the engine is left as it was. A RuntimeError if requests are already in."""
         with self._engine_lock:
-            with self._cv:
-                busy = bool(self._inbox)
-            if busy:
+            if self._inbox:
                 raise RuntimeError("warm_up needs an idle manager: requests were already submitted; warm up first")
             return warm_up(self._require_engine(), max_tokens)
 
@@ -354,7 +275,7 @@ class ContinuousBatchingManager:
         with self._engine_lock:
             stats = self._require_engine().stats()
         with self._cv:
-            return dataclasses.replace(stats, queued=len(self._inbox), uncollected=len(self._finished))
+            return dataclasses.replace(stats, queued=len(self._inbox), uncollected=self._slots.uncollected)
 
     # -------------------------------------------------------------------- loop
     def _run(self) -> None:
@@ -382,7 +303,7 @@ class ContinuousBatchingManager:
                 outputs = self._drain_inbox(engine)
                 if engine.has_unfinished():
                     if follow_submitter:
-                        self._follow_thread_count()
+                        thread_teams.adopt_thread_count(self._threads)
                     outputs += engine.step()
                 else:
                     drained = self._stopping
@@ -403,8 +324,7 @@ class ContinuousBatchingManager:
         with contextlib.suppress(Exception):
             failed = self._fail_everything(error)  # frees blocks; waiters raise instead of getting these
         with self._cv:
-            for stream in self._streams.values():
-                stream.put(_DEAD)
+            self._slots.wake_streams()
             self._cv.notify_all()
         self._router.fail_all(failed, error)
 
@@ -415,14 +335,13 @@ class ContinuousBatchingManager:
         iteration, its streams) and the loop thread stays parked: submit and collect inside the block.
 
         Why: a caller that blocks on its results anyway (a trainer's rollout) steps with its own OpenMP team, so the
-        process keeps one team and libgomp keeps spin-waiting between parallel regions (see `rollout.thread_teams`;
-        a 32-row decode step: 12 ms instead of 18 ms on 2 cores). Other threads' requests progress while the caller
-        waits on its own; when the block ends the loop thread takes over whatever is left. If another thread is
-        already stepping, the block changes nothing and this thread waits as usual.
+        process keeps one team and libgomp keeps spin-waiting between parallel regions (see `rollout.thread_teams`).
+        Other threads' requests progress while the caller waits on its own; when the block ends the loop thread takes
+        over whatever is left. If another thread is already stepping, the block changes nothing.
         """
         me = threading.current_thread()
         with self._cv:
-            claimed = self._driver is None
+            claimed = self._driver is None and thread_teams.may_step_here()
             if claimed:
                 self._driver = me
         try:
@@ -446,7 +365,7 @@ class ContinuousBatchingManager:
                 return False
             if self._pause_count or self._in_step or not (self._inbox or self._require_engine().has_unfinished()):
                 # Parked by a pause, the loop finishing a step, or nothing to step: wait for another thread.
-                self._cv.wait(remaining if remaining is not None else _POLL_S)
+                self._cv.wait(remaining if remaining is not None else POLL_S)
                 continue
             self._in_step = True
             self._cv.release()
@@ -474,22 +393,13 @@ class ContinuousBatchingManager:
         for the caller to deliver once it released the lock."""
         with self._cv:
             items, self._inbox = list(self._inbox), deque()
-        rejected: list[RequestOutput] = []
-        for item in items:
-            try:
-                engine.add_request(item.prompt, item.request_id, item.params, streaming=item.streaming,
-                                   keep_kv=item.keep_kv, continues=item.continues)
-            except ValueError as err:  # e.g. an id still live inside the engine: fail this request alone
-                rejected += item.failures(str(err), ErrorKind.INVALID_REQUEST)
-        return rejected
+        return [failure for item in items for failure in item.enter(engine)]
 
     def _fail_everything(self, error: str) -> list[RequestOutput]:
         with self._engine_lock:
-            outputs = []
             with self._cv:
                 items, self._inbox = list(self._inbox), deque()
-            for item in items:
-                outputs += item.failures(error, ErrorKind.SHUTDOWN, name_sequence=False)
+            outputs = [failure for item in items for failure in item.failures(error, ErrorKind.SHUTDOWN, False)]
             if self.engine is not None:
                 outputs += self.engine.fail_all(error)
             return outputs
@@ -501,25 +411,10 @@ class ContinuousBatchingManager:
             return
         unrouted = self._router.route(outputs)
         with self._cv:
-            for out in unrouted:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-                elif out.is_finished() and out.request_id in self._pending:
-                    self._finished[out.request_id] = out
+            self._slots.put(unrouted)
             self._cv.notify_all()
 
     # ----------------------------------------------------------------- helpers
-    def _follow_thread_count(self) -> None:
-        """Step with the intra-op thread count of the last submitter. torch's count is per thread and the loop's
-        OpenMP team is sized at its first parallel region, so a trainer's later `torch.set_num_threads` would never
-        reach the loop otherwise (colocated trainer and engine must agree on how many cores they take in turn)."""
-        if self._threads and torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
-
-    def _non_streaming_pending(self) -> bool:
-        return any(rid not in self._streams for rid in self._pending)
-
     def _wait_for(self, predicate, timeout: float | None) -> bool:
         """cv.wait_for that also wakes up with an error if the loop thread is dead (caller holds the cv)."""
         def ready():
@@ -536,7 +431,7 @@ class ContinuousBatchingManager:
         return done and predicate()
 
     def _loop_gone_with_work(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive() and not self._finished
+        return self._thread is not None and not self._thread.is_alive() and self._slots.nothing_to_collect()
 
     def _raise_if_dead(self) -> None:
         if self._fatal is not None:

@@ -4,20 +4,24 @@ torch's CPU kernels run their parallel regions on an OpenMP team, and libgomp (t
 gives every thread that starts parallel work a team of its own, which lives as long as that thread. While the
 process holds more OpenMP threads than it has cores, libgomp cuts its spin-wait between regions to a few hundred
 iterations, so each region puts its workers to sleep and wakes them again. For the engine's many small ops per decode
-step that is expensive: on 2 cores one 32-row decode step of a 26M-parameter model took 12 ms in the only thread with
-a team and 18 ms once a second thread (a trainer, a model load) owned one; a single-sequence step in a server took
-~2.5x longer. Two rules follow:
+step that is expensive (benchmarks/RESULTS.md, "Thread teams"). Three rules follow:
 
 - whoever waits for the engine anyway steps it in its own thread (the manager's `stepping_in_caller`);
 - one-off torch work beside a running engine (loading a model, copying uploaded weights) runs in a thread that ends
-  when the work does (`run_in_fresh_thread`), so its team is gone with it.
+  when the work does (`run_in_fresh_thread`), so its team is gone with it;
+- a thread stepping the engine for others adopts the intra-op thread count of whoever submitted last
+  (`adopt_thread_count`), and threads that only submit for others (a rollout producer's workers) never step it
+  (`leave_stepping_to_loop`): the loop thread keeps the engine's one team.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -42,3 +46,31 @@ def run_in_fresh_thread(fn: Callable[[], T], name: str = "rollout-oneoff") -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def adopt_thread_count(count: int) -> None:
+    """Give this thread `count` intra-op threads (0 leaves torch's). torch's count is per thread and an OpenMP team is
+    sized at its first parallel region, so a trainer's later `torch.set_num_threads` would never reach the engine's
+    loop otherwise: a colocated trainer and engine must agree on how many cores they take in turn."""
+    if count and torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+
+
+_marks = threading.local()
+
+
+@contextlib.contextmanager
+def leave_stepping_to_loop() -> Iterator[None]:
+    """In this block the calling thread never steps an engine itself, even inside `stepping_in_caller`: it is one of
+    many threads that submit and wait, and each would start an OpenMP team of its own."""
+    before = getattr(_marks, "leave_to_loop", False)
+    _marks.leave_to_loop = True
+    try:
+        yield
+    finally:
+        _marks.leave_to_loop = before
+
+
+def may_step_here() -> bool:
+    """False inside `leave_stepping_to_loop`."""
+    return not getattr(_marks, "leave_to_loop", False)

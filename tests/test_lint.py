@@ -80,3 +80,14 @@ def test_the_clock_audit_finds_what_it_looks_for():
     source = imports + "start = time.monotonic()\nassert pc() - start < 1\n@settings(max_examples=5)\ndef f(): pass\n"
     tree = ast.parse(source)
     assert _clock_reads(tree) == [3, 4] and _hypothesis_deadlines(tree) == [5]
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_library_module_is_over_the_line_limit():
+    """A module past a few hundred lines holds more than one concept: split it where the concepts part."""
+    long = {str(path.relative_to(REPO_ROOT)): n for package in ("rollout", "trainer_hooks")
+            for path in (REPO_ROOT / package).rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}

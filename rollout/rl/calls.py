@@ -8,6 +8,7 @@ errors for the same problem (a closed generator, a stopped manager) and report t
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -55,6 +56,7 @@ class EngineCalls:
         self.manager = manager
         self.tokenizer = tokenizer
         self._count = 0
+        self._count_lock = threading.Lock()  # calls may begin in several threads at once (a rollout producer)
 
     def engine(self):
         """The live engine; ManagerError once the generator was closed."""
@@ -97,10 +99,12 @@ class EngineCalls:
 
     def begin(self, kind: str) -> str:
         """Start a call: its request-id prefix (e.g. "rollout3"), with the loop running."""
-        self._count += 1
+        with self._count_lock:
+            self._count += 1
+            number = self._count
         if not self.manager.is_running():
             self.manager.start()
-        return f"{kind}{self._count}"
+        return f"{kind}{number}"
 
     def submit(self, prompt_ids: list[int], request_id: str, params: SamplingParams | ResolvedSampling,
                **options) -> None:
