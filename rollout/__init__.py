@@ -13,6 +13,7 @@ from rollout import lazy_exports as _lazy
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AsyncRollouts": "rollout.rl.async_rollouts",
     "ContinuousBatchingConfig": "rollout.config",
     "ContinuousBatchingManager": "rollout.manager",
     "EngineStats": "rollout.engine.core.stats",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from rollout.engine.worker.model_runner import UnsupportedModelError
     from rollout.generate import continuous_batching_context_manager, generate_batch, init_continuous_batching
     from rollout.manager import ContinuousBatchingManager, ManagerError
+    from rollout.rl.async_rollouts import AsyncRollouts
     from rollout.rl.batch import RolloutBatch, RolloutSample
     from rollout.rl.generator import RolloutGenerator
     from rollout.rl.weights import WeightUpdateError

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import logging
 import random
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -79,6 +80,8 @@ class RolloutGenerator:
         self.calls = EngineCalls(self.manager, tokenizer)  # what generate, run_episodes and score share
         self._rng = random.Random(seed if seed is not None else config.seed)
         self.last_update_seconds = 0.0
+        self._waited_for: set[str] = set()  # sequences `generate` calls (in any thread) are still waiting for
+        self._waited_lock = threading.Lock()
         # A generator dropped (or still open at interpreter exit) without close(): hard-stop its loop so the thread
         # ends and the manager, KV cache included, can be freed. Holds the manager, never the generator.
         self._finalizer = weakref.finalize(self, _hard_stop, self.manager)
@@ -182,6 +185,13 @@ class RolloutGenerator:
             raise
         return groups
 
+    def cancel_inflight(self) -> int:
+        """Cancel every sequence that a `generate` call, in any thread, still waits for, freeing its KV now; those
+        calls raise ValueError. Returns how many were cancelled (what a rollout producer's `close` calls)."""
+        with self._waited_lock:
+            waited = list(self._waited_for)
+        return sum(self.manager.cancel_request(rid) for rid in waited)
+
     def release_kv(self, sequence_ids_: Sequence[str]) -> int:
         """Free the KV that `keep_kv` sequences still hold; returns how many held some."""
         return sum(self.manager.release_kv(rid) for rid in sequence_ids_)
@@ -202,12 +212,16 @@ class RolloutGenerator:
             groups = self.submit(prompts, n, sampling_params, keep_kv, continues)
             order = [(j, ids, rid) for j, ids, seq_ids in groups for rid in seq_ids]
             collected = 0
+            with self._waited_lock:
+                self._waited_for.update(rid for _, _, rid in order)
             try:
                 for j, ids, rid in order:
                     out = self.manager.get_result(rid)
                     collected += 1
                     if out.status == RequestStatus.FAILED:
                         errors.append(f"prompt {j}: {out.error}")
+                    elif out.status == RequestStatus.CANCELLED:
+                        errors.append(f"prompt {j}: cancelled (cancel_inflight)")
                     samples.append(RolloutSample(
                         prompt_index=j, prompt_ids=ids, completion_ids=out.generated_tokens, logprobs=out.logprobs,
                         policy_logprobs=out.policy_logprobs, kept_logmass=out.kept_logmass,
@@ -217,6 +231,9 @@ class RolloutGenerator:
             except BaseException:
                 self.calls.abandon([rid for _, _, rid in order[collected:]])
                 raise
+            finally:
+                with self._waited_lock:
+                    self._waited_for.difference_update(rid for _, _, rid in order)
         if errors:
             raise ValueError(f"{len(errors)} rollout sample(s) failed; first error: {errors[0]}")
         # this call's work; peak usage is over the call (reset at its start)
