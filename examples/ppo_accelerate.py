@@ -23,18 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams
 from rollout.demo import task
 from rollout.demo.run import DEFAULT_MODEL
+from rollout.rl.losses import completion_logprobs, group_advantages
 from trainer_hooks import WeightSync
-
-
-def completion_logprobs(model, tensors: dict, temperature: float) -> torch.Tensor:
-    """Per-token log_softmax(logits / T) of the completion tokens under `model` (what the engine calls policy)."""
-    ids = torch.cat([tensors["prompt_ids"], tensors["completion_ids"]], dim=1)
-    mask = torch.cat([tensors["prompt_mask"], tensors["completion_mask"]], dim=1)
-    positions = (mask.cumsum(1) - 1).clamp_min(0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    width = tensors["completion_ids"].shape[1]
-    logits = logits[:, -width - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, tensors["completion_ids"][..., None]).squeeze(-1)
 
 
 def main(argv=None) -> dict:
@@ -75,8 +65,7 @@ def main(argv=None) -> dict:
                                    sampling_params=sampling.with_overrides(seed=step))
         rewards = torch.tensor(task.reward([s.text for s in batch.samples],
                                            [r["answer"] for r in shard for _ in range(args.group)]))
-        grouped = rewards.view(-1, args.group)
-        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+        advantages = group_advantages(rewards, batch.group_sizes)
         tensors = batch.to_tensors(pad_token_id=tokenizer.pad_token_id, device=accelerator.device)
         mask = tensors["completion_mask"].float()
         old = tensors["policy_logprobs"]

@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "demo":
-            from rollout.demo.run import main as demo
+            from rollout.demo import async_grpo, run
 
-            demo(args)
+            (async_grpo.main if args.async_mode else run.main)(args)
         else:
             from rollout.server.cli import serve
 

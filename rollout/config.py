@@ -23,10 +23,9 @@ MIN_PAGE_SIZE = 4
 MIN_BATCH_TOKENS = 256
 DEFAULT_BATCH_TOKENS = 8192
 # CPU: small steps let a wave of arrivals start in turns and put decode rows beside prefill chunks, where they cost
-# little (a step of decodes alone reads all the weights for a few rows). Closed loop of 64 streams (prompts 16-128, 32
-# new tokens, W1 model, 2 cores, `rollout serve --compile-level 1`, two alternated runs each): 512 gave 772 / 744
-# tokens/s with a median time to first token of 378 / 468 ms, 1024 752 / 752 (621 / 623 ms), 2048 707 / 725 (960 /
-# 921 ms; 8192 had been 1.15x slower than 2048); W1 itself is the same at any of them (1,782-1,855 vs 1,735-1,763).
+# little (a step of decodes alone reads all the weights for a few rows): a server's closed loop of 64 streams gets more
+# tokens per second and its first tokens sooner with smaller budgets, and W1 itself is the same at any of them
+# (benchmarks/RESULTS.md, "Serving").
 CPU_DEFAULT_BATCH_TOKENS = 512
 DEFAULT_MAX_REQUESTS = 1024
 # On CPU the KV cache lives in the same RAM as everything else: without a workload hint the pool is capped here so a
@@ -34,9 +33,9 @@ DEFAULT_MAX_REQUESTS = 1024
 CPU_DEFAULT_CACHE_BYTES = 512 * 1024**2
 CPU_DEFAULT_CACHE_TOKENS = 65536
 # Tokens per KV page when `page_size` is left unset, per device type. CPU: small pages waste less of the last page per
-# sequence and keep the attention kernel's per-page loop short; on W1 (`python benchmarks/page_size.py`) 16, 32 and 64
-# are within 2% of each other while 256 is 19% slower with 180 MiB more peak RSS on a 2-core AVX-512 machine (about
-# 15% slower on an AVX2 one). CUDA: flash-attn's paged kernels need a multiple of 256.
+# sequence and keep the attention kernel's per-page loop short; on W1 16, 32 and 64 are within noise of each other
+# while 256 is slower and takes more memory, on AVX-512 and AVX2 machines alike (benchmarks/RESULTS.md, "Page size";
+# AVX2: results-history.md). CUDA: flash-attn's paged kernels need a multiple of 256.
 DEFAULT_PAGE_SIZE = {"cpu": 32, "cuda": 256}
 FALLBACK_PAGE_SIZE = 256
 # torch.compile of the engine's forward (rollout/engine/worker/compiled_forward.py): the keywords a compile config

@@ -46,16 +46,35 @@ def test_short_demo_raises_the_reward(tmp_path):
     assert "W&B" not in text  # --no-wandb: no run to point at
 
 
+def test_short_async_demo_raises_the_reward_within_the_staleness_bound(tmp_path):
+    from rollout.demo import async_grpo
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--async", "--max-staleness", "2", "--steps", "25", "--eval-size", "100", "--no-wandb",
+                              "--output-dir", str(tmp_path), "--threads", "2"])
+    out = io.StringIO()
+    summary = async_grpo.main(args, out=out)
+    before, after = summary["accuracy_before"]["sampled"], summary["accuracy_after"]["sampled"]
+    assert after >= before + 0.25 and after >= 0.6, (before, after)
+    assert summary["steps"] == 25 and summary["weight_version"] == 25
+    assert summary["versions_behind_max"] <= 2
+    assert json.loads((tmp_path / "summary.json").read_text())["max_staleness"] == 2
+    text = out.getvalue()
+    for phrase in ["held-out accuracy", "samples/s", "versions behind", "weight sync"]:
+        assert phrase in text
+
+
 def test_wandb_offline_run_directory_is_reported(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
-    from rollout.demo.run import _wandb_run_dir, report
+    from rollout.demo.run import report, wandb_run_dir
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     wandb.init(project="rollout-demo-test")
     try:
-        directory, offline = _wandb_run_dir()
+        directory, offline = wandb_run_dir()
     finally:
         wandb.finish()
         wandb.teardown()  # wandb keeps its settings (WANDB_DIR included) process-wide until torn down

@@ -12,9 +12,8 @@ import torch
 
 # Padding trim: a chunk of rows takes up to this much padding (as a fraction of its real tokens) before a new chunk
 # starts, and chunks below MIN_CHUNK_TOKENS are always grown (tiny forwards waste more than padding does). GRPO groups
-# share a prompt, so rows come in a few distinct lengths and a tight slack cuts nearly all padding in a few chunks:
-# with every completion at the cap (4 prompts x 8, W1 model), 0.02 skipped 17% of the padded batch and the loss
-# forward/backward took 7.4 s instead of 9.2 s at 0.15 (6% skipped).
+# share a prompt, so rows come in a few distinct lengths and a tight slack cuts nearly all padding in a few chunks
+# (benchmarks/RESULTS.md, "GRPO step": slack 0.02 against 0.15).
 TRIM_SLACK = 0.02
 MIN_CHUNK_TOKENS = 512
 

@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="KV cache page size (tokens per block)")
     parser.add_argument("--share-weights", action="store_true", help="generate from the trained module itself")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B (default: offline unless logged in)")
+    parser.add_argument("--async", dest="async_mode", action="store_true", help="train with a plain loop fed by "
+                        "AsyncRollouts: generation runs ahead of the optimizer (rollout.demo.async_grpo)")
+    parser.add_argument("--max-staleness", type=int, default=1, help="with --async: weight versions a sample may "
+                        "lag the trainer (0: synchronous)")
+    parser.add_argument("--engine-threads", type=int, default=None, help="with --async: intra-op threads of the "
+                        "engine; the trainer gets the rest of --threads (default: half each)")
 
 
 # ----------------------------------------------------------------------------------------------------- data
@@ -196,7 +202,7 @@ def _progress_callback():
 
 
 # -------------------------------------------------------------------------------------------------------- run
-def _wandb_setup(args) -> list[str]:
+def wandb_setup(args) -> list[str]:
     if args.no_wandb:
         return []
     try:
@@ -219,7 +225,7 @@ def _netrc() -> str:
         return ""
 
 
-def _wandb_run_dir() -> tuple[str, bool] | None:
+def wandb_run_dir() -> tuple[str, bool] | None:
     """(directory, offline) of the active W&B run, read before wandb.finish() forgets it; None without a run."""
     import wandb
 
@@ -255,7 +261,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     model, tokenizer = load_model(args.model, dtype, alternative=MODEL_ALTERNATIVE)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    report_to = _wandb_setup(args)
+    report_to = wandb_setup(args)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     train, eval_prompts, eval_answers = _load_data(args)
@@ -288,7 +294,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     summary = summarize(trainer, before, after, train_seconds)
     summary["temperature"] = args.temperature
     summary["plot"] = str(plot(summary, output_dir / "reward_curve.png") or "")
-    wandb_run = _wandb_run_dir() if "wandb" in report_to else None
+    wandb_run = wandb_run_dir() if "wandb" in report_to else None
     if wandb_run is not None:
         summary["wandb_run_dir"], summary["wandb_offline"] = wandb_run
     summary_path = output_dir / "summary.json"

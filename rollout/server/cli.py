@@ -23,7 +23,7 @@ SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 SCHEDULER_CHOICES = ("fifo", "prefill_first")
 API_KEY_ENV = "ROLLOUT_API_KEY"
 ADMIN_KEY_ENV = "ROLLOUT_ADMIN_KEY"
-DEFAULT_WARMUP_TOKENS = 512  # W1 on 2 cores: 24 step sizes in ~1.7 s eager
+DEFAULT_WARMUP_TOKENS = 512  # what it costs on W1: benchmarks/RESULTS.md, "Serving"
 
 
 def check_serve_extra() -> None:
@@ -219,7 +219,7 @@ def event_loop() -> str:
     """uvicorn's `loop=`: uvloop where it is installed (the serve extra brings it on Linux and macOS), else asyncio.
 
     Every streamed token passes through the event loop, which shares the cores with the engine's OpenMP team: a
-    cheaper loop leaves the team more of them (64 concurrent streams on 2 cores: ~8% more tokens per second).
+    cheaper loop leaves the team more of them (more tokens per second at 64 streams: benchmarks/RESULTS.md, "Serving").
     """
     try:
         import uvloop  # noqa: F401

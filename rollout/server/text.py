@@ -8,8 +8,8 @@ turn into a stop string or is an incomplete UTF-8 character, so the concatenated
 (the last delta is cut from one whole decode).
 
 Each decode goes straight to the `tokenizers` backend where that is what `tokenizer.decode` would do anyway
-(`text_decoder`): transformers' `decode` wraps a ~2 us Rust call in ~20 us of Python (argument conversion, batch
-checks, the clean-up flag), and a stream decodes twice per token.
+(`text_decoder`): transformers' `decode` wraps a fast Rust call in several times its cost in Python (argument
+conversion, batch checks, the clean-up flag), and a stream decodes twice per token (benchmarks/RESULTS.md, "Serving").
 
 For completions the text is decoded after a few prompt tokens of context and the context's text is then removed:
 tokenizers such as SentencePiece drop a word's leading space when it is decoded alone, so "The capital is" +

@@ -11,8 +11,8 @@ How: torch's x86-64 Linux wheels link MKL statically and export its CBLAS functi
 called through ctypes (which releases the GIL for the call), so there is nothing to build and no new dependency. A
 weight is packed into a buffer of the size MKL asks for (`cblas_sgemm_pack_get_size` reserves several MB it never
 writes; those pages are never touched, so they take no memory) and repacked into the same buffer when the weight
-changes (a packed matrix must not move). Repacking W1's linears after a weight update took 19-22 ms (oneDNN's
-in-place refresh 29-41 ms, same process).
+changes (a packed matrix must not move). Repacking after a weight update is faster than oneDNN's in-place refresh
+(benchmarks/results-history.md, "Linears on MKL's packed sgemm").
 
 Where: used only where `available()` says so: a torch with MKL whose library exports the functions, a probe that
 compares packed results with `F.linear` at several row counts passes, and `ROLLOUT_MKL_PACKED` is not 0. The engine

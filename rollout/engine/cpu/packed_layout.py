@@ -1,15 +1,14 @@
 """Where oneDNN's packed copy of a linear weight keeps each element, so that a weight update can refresh the copy in
 place (a few strided copies into its existing buffer) instead of repacking it.
 
-Why: `torch.ops.mkldnn._reorder_linear_weight` returns an opaque mkldnn tensor in a fresh buffer. Repacking W1's
-25.7M linear weights after a weight update took 49 ms against 5 ms for a plain copy of the same tensors (2 cores,
-AVX-512): page faults of the fresh buffers (about 20 ms), then oneDNN's reorder, its primitive set up again on every
-call (about 0.1 ms per weight). Yet the buffer holds a fixed blocked layout, zero-padded to whole blocks: with AVX-512
-(and AVX2) fp32 is [ceil(O/64)][I padded to 16][64], 64 output rows interleaved, and bf16 [ceil(O/64)][I/2][64][2].
-Writing the new values through views of the existing buffer allocates nothing and calls no oneDNN: each group of 64
-rows is a transpose, done by torch's channels-last channel_shuffle kernel (a SIMD transpose; bf16 pairs move as 32-bit
-words) plus a copy into the buffer. For W1 that is 7.3 ms in fp32 (4.7 ms in bf16), 1.5x a plain copy, where an
-element-by-element strided `copy_` took 13 ms (see benchmarks/RESULTS.md, "RL layer").
+Why: `torch.ops.mkldnn._reorder_linear_weight` returns an opaque mkldnn tensor in a fresh buffer. Repacking the linear
+weights after a weight update costs many times a plain copy of the same tensors: page faults of the fresh buffers, then
+oneDNN's reorder, its primitive set up again on every call. Yet the buffer holds a fixed blocked layout, zero-padded to
+whole blocks: with AVX-512 (and AVX2) fp32 is [ceil(O/64)][I padded to 16][64], 64 output rows interleaved, and bf16
+[ceil(O/64)][I/2][64][2]. Writing the new values through views of the existing buffer allocates nothing and calls no
+oneDNN: each group of 64 rows is a transpose, done by torch's channels-last channel_shuffle kernel (a SIMD transpose;
+bf16 pairs move as 32-bit words) plus a copy into the buffer: a little more than a plain copy, and faster than an
+element-by-element strided `copy_` (benchmarks/RESULTS.md, "RL layer").
 
 How, trusting none of that, once per (shape, dtype) and process: sparse probe weights whose first column (first row)
 spells each row (column) index in exact digits (24 bits in fp32, 8 in bf16; 0 marks padding) give the buffer offsets
@@ -20,8 +19,8 @@ oneDNN's reorder of them byte for byte, padding included, for every variant of t
 (with or without the wide words and channel_shuffle): equal row and column digits at every position means the same
 permutation. Anything else (another torch or oneDNN without the buffer accessors, a layout not blocked per dimension,
 a copy that does not match) gives no layout, and the caller repacks in full as before. A packed copy's oneDNN memory
-descriptor must equal the probes' before it is first written in place. The derivation takes about 0.1 s for W1's
-largest weight (4096x512); an emulated AVX2-only EPYC derives the same fp32 layout (bf16 is not packed there).
+descriptor must equal the probes' before it is first written in place. The derivation is a one-off cost per shape
+(benchmarks/RESULTS.md, "RL layer"); an emulated AVX2-only EPYC derives the same fp32 layout (bf16 is not packed there).
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ Dim = tuple[int, int, int, int]  # (size, step in o, step in i, buffer stride)
 class Transpose:
     """A box that is `blocks` consecutive groups of `group` whole rows, each stored transposed (column by column,
     `column_stride` apart, the groups `block_stride` apart): one channel_shuffle moves it (a SIMD transpose in
-    torch's channels-last kernel, about 2x faster than the element-by-element strided copy)."""
+    torch's channels-last kernel, faster than the element-by-element strided copy)."""
 
     blocks: int
     group: int

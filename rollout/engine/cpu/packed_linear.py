@@ -53,11 +53,10 @@ from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
 # oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to a bucket (powers of
 # two up to ROW_BUCKET, then multiples of ROW_BUCKET up to PACK_BATCH_HINT, then of WIDE_ROW_BUCKET: 63 up to 2,048
 # rows) and inputs over PACKED_MAX_ROWS run as chunks, so a long run sees a bounded set of shapes. Multiples of 8
-# rather than 16 below 256 rows: a 17-128-token prefill is padded by 3.4 rows on average instead of 7.1, and ran 3.6%
-# faster (W1, paired by prompt length, compile level 1) for ~3 MiB of oneDNN state per added row count (45 MiB for
-# the 16 added, W1's shapes). A prefill runs as one matmul rather than 256-row chunks: 2,016 rows of W1's MLP took
-# 14.4 ms as chunks joined by `cat` and 13.1 ms in one call (its 512-wide projections 5.8 vs 4.7 ms): the join is a
-# copy of the whole output.
+# rather than 16 below 256 rows: a short prefill is padded by about half as many rows, which made 17-128-token
+# prefills faster for a little more oneDNN state (benchmarks/results-history.md, "Serving": row buckets of 8). A
+# prefill runs as one matmul rather than 256-row chunks joined by `cat`, which is a copy of the whole output
+# (benchmarks/RESULTS.md, "Prefill").
 PACKED_MAX_ROWS = 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_BUCKET = 8
@@ -260,8 +259,8 @@ class PackedLinears:
                       gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:
         """`silu(x @ Wg.T + bg) * (x @ Wu.T + bu)` on the packed copies from `silu_gate_for`. oneDNN's pair: the SiLU
         is a post-op of the gate's matmul and the product a post-op of the up projection's, so the gated MLP's two
-        `[rows, intermediate]` activations are never read back by separate passes (W1's MLP at 2,048 rows: 30 ms
-        instead of 40 ms per layer). MKL's copy of the two weights stacked: one matmul, then the SiLU and product."""
+        `[rows, intermediate]` activations are never read back by separate passes (benchmarks/RESULTS.md,
+        "Prefill"). MKL's copy of the two weights stacked: one matmul, then the SiLU and product."""
         if isinstance(packed, MklPackedWeight):
             bias = None if gate_bias is None and up_bias is None else torch.cat(
                 [b if b is not None else x.new_zeros(packed.out_features // 2) for b in (gate_bias, up_bias)])

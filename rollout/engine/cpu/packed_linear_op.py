@@ -1,16 +1,15 @@
 """`rollout::packed_linear`: the engine's prepacked linear (packed_linear.py) as an opaque op for torch.compile.
 
 Why an op: the eager forward swaps each `nn.Linear.forward` for a closure over a weakref and a thread-local, which
-dynamo cannot trace without a graph break per layer, and inductor's own CPU matmul on the unpacked weight is 1.3-2x
-slower than the packed one. The compiled forward's backend (compiled_forward.py) rewrites every `F.linear` of the
-traced graph into this op, so inductor fuses the norms, RoPE and residual adds around it while the matmul itself
-stays packed. A SiLU-gated MLP's `silu(gate(x)) * up(x)` becomes one `rollout::packed_silu_gate` where this CPU
-fuses the dtype (silu_gate.py): its SiLU and product run as oneDNN post-ops of the two matmuls, or after MKL's one
-matmul over the two weights stacked (mkl_packed.py). Linears of one
-input (a layer's q, k and v projections) become one `rollout::packed_linears`: one matmul over their weights stacked
-(a pass over W1's linears at 8 rows 0.91x the time, at 16 rows 0.85x, at 200 rows 0.95x). The weight stays a
-graph input (no inductor `freezing`): a weight update in place changes what the next call computes, with no
-recompilation.
+dynamo cannot trace without a graph break per layer, and inductor's own CPU matmul on the unpacked weight is slower than
+the packed one (benchmarks/RESULTS.md, "Compile levels"). The compiled forward's backend (compiled_forward.py) rewrites
+every `F.linear` of the traced graph into this op, so inductor fuses the norms, RoPE and residual adds around it while
+the matmul itself stays packed. A SiLU-gated MLP's `silu(gate(x)) * up(x)` becomes one `rollout::packed_silu_gate` where
+this CPU fuses the dtype (silu_gate.py): its SiLU and product run as oneDNN post-ops of the two matmuls, or after MKL's
+one matmul over the two weights stacked (mkl_packed.py). Linears of one input (a layer's q, k and v projections) become
+one `rollout::packed_linears`: one matmul over their weights stacked (a pass over W1's linears takes less time at 8-512
+rows: benchmarks/results-history.md, "Serving"). The weight stays a graph input (no inductor `freezing`): a weight
+update in place changes what the next call computes, with no recompilation.
 
 The op finds the engine's PackedLinears through `active_linears`, set around the compiled call on the stepping
 thread: a graph holds no reference to an engine, so compiled graphs stay shareable and cacheable across engines and

@@ -25,19 +25,16 @@ dynamic dims at every level (only the lm_head slice and the attention op read th
 recompilation; `kv_padding_interval_size` (the table width rounded up to that many tokens) is accepted for
 transformers compatibility and bounds the distinct widths, but on CPU changes no compile count.
 
-Steady state without dynamo: dynamo evaluates a guard per tensor input on every call (139 inputs for W1, ~0.6 ms a
-step). After a call through dynamo shows which graph serves a model (`CompiledGraph`), the engine calls that graph
-itself with its inputs read through dynamo's own input sources, from the live model and step; a step it no longer
-fits (its size asserts fail) goes back through dynamo.
+Steady state without dynamo: dynamo evaluates a guard per tensor input on every call (139 inputs for W1), as costly as
+all the graph's fused kernels on a small step. After a call through dynamo shows which graph serves a model
+(`CompiledGraph`), the engine calls that graph itself with its inputs read through dynamo's own input sources, from the
+live model and step; a step it no longer fits (its size asserts fail) goes back through dynamo.
 
-Measured on a 2-core AVX-512 EPYC (torch 2.13, fp32, 2 threads, shared machine): compile of the W1 model (8 layers)
-at level 1, first step 18-20 s cold, 4.1 s warm (a second process: FX graph and AOTAutograd cache hits; dynamo still
-traces). Whole decode steps, level 1 vs eager, interleaved in one process (medians of 9 runs of 40 steps): 1 row
-1.21x (5.12 vs 6.22 ms), 8 rows 1.19x, 32 rows 1.14x; 1.09-1.11x of that came from the direct calls, the rest from
-defining both ops with torch.library.Library (the @custom_op wrapper cost ~50 us per attention call). Of a one-row
-step, the packed matmuls take ~3 ms, the graph's fused kernels ~0.7 ms and the attention ~0.2 ms. W1 from a fresh
-process: level 1 1.06x eager (prefill and the wide early steps gain less). Level 3 compiles a graph per bucket (0.45x
-from a fresh process before this change: it compiles the buckets W1 meets inside the run).
+What it buys (benchmarks/RESULTS.md, "Compile levels"): the first compiled step takes seconds, fewer with a warm cache
+(a second process hits the FX graph and AOTAutograd caches; dynamo still traces). Small decode steps gain most, most of
+it from the direct calls and the rest from defining both ops with torch.library.Library (the @custom_op wrapper adds a
+cost per call); a one-row step is then mostly the packed matmuls. Prefill and the wide early steps gain less, so a whole
+W1 run gains a few percent. Level 3 compiles a graph per bucket, which a fresh process pays inside its run.
 """
 
 from __future__ import annotations
@@ -116,11 +113,11 @@ _last_graph = threading.local()  # the CompiledGraph that the last compiled call
 class CompiledGraph:
     """One compiled graph as dynamo calls it, plus how to call it without dynamo.
 
-    Dynamo checks its guards (one per tensor input, 139 of them for W1) on every call: about 0.6 ms per step on a
-    2-core EPYC, as much as all the graph's fused kernels. Once a call through dynamo has shown which graph serves a
-    model (`_last_graph`), the engine calls that graph itself (`direct`), with its inputs read from the live
-    model and step by the accessors derived from dynamo's own input sources: a weight replaced by a new tensor is
-    picked up, and a changed shape fails the graph's size asserts and goes back through dynamo."""
+    Dynamo checks its guards (one per tensor input, 139 of them for W1) on every call, which on a small step costs as
+    much as all the graph's fused kernels (benchmarks/RESULTS.md, "Compile levels"). Once a call through dynamo has
+    shown which graph serves a model (`_last_graph`), the engine calls that graph itself (`direct`), with its inputs
+    read from the live model and step by the accessors derived from dynamo's own input sources: a weight replaced by a
+    new tensor is picked up, and a changed shape fails the graph's size asserts and goes back through dynamo."""
 
     def __init__(self, fn: Callable, gm: torch.fx.GraphModule) -> None:
         self.fn = fn

@@ -1,9 +1,9 @@
 """Warming an engine up before it serves: one forward per step size its first requests will meet.
 
-Why: the first step of each new size pays one-off costs on the request that happens to bring it. On CPU oneDNN
-generates its kernels per row count of a packed matmul (10-60 ms for each of W1's row buckets), and at compile level 1
-the very first step compiles the forward (4-20 s). A server that warms up before it listens answers its first requests
-as fast as its later ones, as vLLM's does after its start-up runs.
+Why: the first step of each new size pays one-off costs on the request that happens to bring it. On CPU oneDNN generates
+its kernels per row count of a packed matmul, and at compile level 1 the very first step compiles the forward, which
+takes seconds (benchmarks/RESULTS.md, "Serving" and "Compile levels"). A server that warms up before it listens answers
+its first requests as fast as its later ones, as vLLM's does after its start-up runs.
 
 How: throwaway greedy requests of random token ids, one at a time, each prefilling exactly one row bucket of the packed
 linears (`packed_linear.padded_rows`: powers of two, then multiples of 8 and 64) up to `max_tokens`, then one decode
