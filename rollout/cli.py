@@ -54,13 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (2 with one line on stderr for a bad --model or a missing extra)."""
     args = build_parser().parse_args(argv)
     _configure_logging(getattr(args, "log_level", "info"))
-    from rollout.loading import MissingExtraError, ModelLoadError
+    from rollout.loading import MissingExtraError, ModelLoadError, check_model
 
     try:
         if args.command == "demo":
-            from rollout.demo import async_grpo, run
+            if args.async_mode:  # its module imports torch: --model is checked before that
+                from rollout.demo.run import MODEL_ALTERNATIVE
 
-            (async_grpo.main if args.async_mode else run.main)(args)
+                check_model(args.model, alternative=MODEL_ALTERNATIVE)
+                from rollout.demo.async_grpo import main as demo
+            else:
+                from rollout.demo.run import main as demo
+            demo(args)
         else:
             from rollout.server.cli import serve
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from rollout.loading import DEFAULT_MODEL, load_model, require_extra
+from rollout.loading import DEFAULT_MODEL, check_model, load_model, require_extra
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,9 @@ def wandb_run_dir() -> tuple[str, bool] | None:
 
 
 def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
-    """`rollout demo`: check the demo extra (MissingExtraError: one line saying what to install), then `run`."""
+    """`rollout demo`: check `--model` and the demo extra (ModelLoadError, MissingExtraError: one line saying what to
+    do) before anything heavy is imported, then `run`."""
+    check_model(args.model, alternative=MODEL_ALTERNATIVE)
     require_extra("demo", "demo", ("trl",))
     return run(args, out)
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rollout.loading import DTYPES, MissingExtraError, require_extra
+from rollout.loading import DTYPES, MissingExtraError, check_model, require_extra
 from rollout.loading import load_model as _load
 from rollout.server.settings import ServerSettings
 
@@ -180,6 +180,7 @@ def serve(args: argparse.Namespace) -> None:
     Raises MissingExtraError or ModelLoadError (one-line messages) before anything heavy happens.
     """
     check_serve_extra()
+    check_model(args.model)  # a bad --model fails in a second, before torch is imported
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 

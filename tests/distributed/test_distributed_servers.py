@@ -168,3 +168,25 @@ def test_grpo_trains_across_several_servers(tmp_path, tok):
     logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
     assert len(logs) == 2 and max(h["sampling/sampling_logp_difference/max"] for h in logs) < 1e-4
     assert logs[-1]["rollout/workers"] == 2 and "rollout/worker1/tokens_per_second" in logs[-1]
+
+
+def test_an_async_producer_over_servers_keeps_the_bound_with_updates_in_flight(model, tok):
+    from rollout import AsyncRollouts
+
+    prompts = random_prompts([5, 9, 3, 12, 7, 4, 8, 6], seed=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    with _servers(model, tok, 2) as (urls, _), RolloutServerPool(urls, chunk_bytes=64 * 1024) as pool:
+        with AsyncRollouts(pool, prompts, _length_reward, groups_per_batch=2, n=2, sampling_params=params,
+                           max_staleness=1, seed=3) as producer:
+            batches = []
+            for k, batch in enumerate(producer):
+                batches.append(batch)
+                producer.update_weights(perturbed(model, seed=k + 1))
+        assert _versions(urls) == [len(batches)] * 2
+    groups = [g for b in batches for g in b.groups]
+    assert sorted(g.index for g in groups) == list(range(8)) and all(len(b) == 2 for b in batches)
+    for batch in batches:
+        assert max(batch.versions_behind()) <= 1
+        for group in batch.groups:
+            assert group.rewards == [len(s.completion_ids) / 8 for s in group.samples] == [2.0, 2.0]
+            assert group.admitted_version <= group.oldest_version <= group.newest_version <= batch.trainer_version
