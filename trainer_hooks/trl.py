@@ -168,19 +168,21 @@ class RolloutTRLGeneration(VLLMGeneration):
             for _ in self._iter_named_params():  # gathering is collective: every process walks the parameters
                 pass
         else:
-            self.backend.update_weights(self._iter_named_params())
+            self._push(self._iter_named_params())
         self.last_sync_seconds = time.perf_counter() - start
         self._synced_step = self.trainer.state.global_step
         self._synced_version = self.backend.weight_version
 
+    def _push(self, source) -> None:
+        """Where the trainer's weights go (the async adapter sends them through its producer)."""
+        self.backend.update_weights(source)
+
     def generate(self, prompts, images, num_generations, profiler=None):
         if images is not None and any(img is not None for img in images):
             raise NotImplementedError("rollout's TRL hook does not support image inputs yet")
-        # TRL repeats each prompt for its group; generate each run of identical prompts as one n-sample group.
-        runs = [(list(key), len(list(group))) for key, group in groupby(map(tuple, prompts))]
         self._pending_old = None
         with profiler if profiler is not None else contextlib.nullcontext():
-            batch = self._generate_runs(runs)
+            batch = self._rollouts(prompts)
         self.last_batch = batch
         self._record_metrics(batch)
         if self.trainer._computes_old_logprobs():
@@ -191,6 +193,12 @@ class RolloutTRLGeneration(VLLMGeneration):
         logprobs = [[[lp] for lp in getattr(s, chosen)] for s in batch.samples]
         token_ids = [[[t] for t in s.completion_ids] for s in batch.samples]
         return [s.prompt_ids for s in batch.samples], completion_ids, logprobs, token_ids
+
+    def _rollouts(self, prompts) -> RolloutBatch:
+        """The samples for TRL's prompts. TRL repeats each prompt for its group: each run of identical prompts is
+        generated as one n-sample group."""
+        runs = [(list(key), len(list(group))) for key, group in groupby(map(tuple, prompts))]
+        return self._generate_runs(runs)
 
     def _generate_runs(self, runs: list[tuple[list[int], int]]) -> RolloutBatch:
         prompts, sizes = [p for p, _ in runs], [k for _, k in runs]
@@ -271,6 +279,8 @@ class _RolloutMixin:
     chunk is a separate forward, which DDP/ZeRO-3/FSDP would have to gather or reduce for).
     """
 
+    generation_class = RolloutTRLGeneration  # the adapter installed as trainer.vllm_generation
+
     def __init__(self, *args, rollout_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
                  rollout_dtype: torch.dtype | None = None, rollout_logprobs: str = "policy",
                  rollout_server: str | Sequence[str] | None = None, rollout_old_logprobs: str = "auto",
@@ -284,7 +294,7 @@ class _RolloutMixin:
         if rollout_old_logprobs not in OLD_LOGPROB_MODES:
             raise ValueError(f"rollout_old_logprobs must be one of {OLD_LOGPROB_MODES}, got {rollout_old_logprobs!r}")
         super().__init__(*args, **kwargs)
-        self.vllm_generation = RolloutTRLGeneration(self, rollout_config, share_weights, rollout_dtype,
+        self.vllm_generation = self.generation_class(self, rollout_config, share_weights, rollout_dtype,
                                                     rollout_logprobs, rollout_server, rollout_old_logprobs,
                                                     rollout_pool)
         self.use_vllm = True

@@ -59,7 +59,7 @@ class ScoredGroup:
     index: int  # admission order: unique, so a lost or repeated group shows
     row: object  # the prompt item as the iterable gave it (a dict row keeps its other columns)
     samples: list[RolloutSample]
-    rewards: list[float]  # weighted total per sample
+    rewards: list[float]  # weighted total per sample (empty when the producer has no reward functions)
     reward_columns: dict[str, list[float]]  # each reward function's values, by name
     admitted_version: int  # the weight version current when the group was admitted
 
@@ -104,7 +104,7 @@ class AsyncRollouts:
     """Scored rollout groups for the trainer, generated ahead of it within `max_staleness` weight versions."""
 
     def __init__(self, backend: RolloutBackend, prompts: Iterable, reward_funcs: RewardFunction |
-                 Sequence[RewardFunction], groups_per_batch: int, n: int = 8,
+                 Sequence[RewardFunction] | None, groups_per_batch: int, n: int = 8,
                  sampling_params: SamplingParams | None = None, max_staleness: int = 1, on_update: str = "keep",
                  prompt_key: str = "prompt", reward_weights: Sequence[float] | None = None,
                  reward_timeout: float | None = 60.0, reward_workers: int = 4, engine_threads: int | None = None,
@@ -121,7 +121,9 @@ class AsyncRollouts:
         self.backend, self.n, self.on_update, self.prompt_key = backend, n, on_update, prompt_key
         self.engine_threads, self.stall_timeout, self.clock = engine_threads, stall_timeout, clock
         self._gate = StalenessGate(max_staleness, groups_per_batch, backend.weight_version)
-        self._rewards = RewardRunner(reward_funcs, reward_weights, reward_timeout, reward_workers)
+        # None: the trainer scores the groups itself (TRL's reward functions, in AsyncRolloutGRPOTrainer)
+        self._rewards = (None if reward_funcs is None
+                         else RewardRunner(reward_funcs, reward_weights, reward_timeout, reward_workers))
         self._seed = seed if seed is not None else random.getrandbits(62)
         self._prompts = iter(prompts)
         self._exhausted = False
@@ -199,7 +201,8 @@ class AsyncRollouts:
         deadline = None if timeout is None else self.clock() + timeout
         for worker in self._workers:
             worker.join(None if deadline is None else max(0.0, deadline - self.clock()))
-        self._rewards.close()
+        if self._rewards is not None:
+            self._rewards.close()
         alive = sum(w.is_alive() for w in self._workers)
         if alive:
             logger.warning("%d rollout producer worker(s) still running after close(timeout=%s)", alive, timeout)
@@ -328,6 +331,8 @@ class AsyncRollouts:
 
     def _score(self, index: int, row, prompt, columns: dict, samples: list[RolloutSample],
                version: int) -> ScoredGroup:
+        if self._rewards is None:
+            return ScoredGroup(index, row, samples, [], {}, version)
         size = len(samples)
         keywords = {k: [v] * size for k, v in columns.items()}
         keywords.update(prompts=[prompt] * size, completions=[s.text for s in samples],

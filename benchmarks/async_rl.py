@@ -1,0 +1,97 @@
+"""Sync against async RL on the demo task, in one process: samples/s, waiting, staleness, and memory over a long run.
+
+    python benchmarks/async_rl.py --max-staleness 0,1,2 --steps 60
+    python benchmarks/async_rl.py --max-staleness 1 --steps 500 --report-at 50,500   # RSS and KV stay flat
+
+Each run is the loop of `rollout demo --async` (rollout.demo.async_grpo) on the embedded policy, with the same
+seeds; `max_staleness=0` is the same loop made synchronous. The engine's loop and the trainer get `--engine-threads`
+and the rest of `--threads`. Prints one table row per run, and the RSS and KV blocks in use at each `--report-at` step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import time
+
+import torch
+
+from rollout import AsyncRollouts, ContinuousBatchingConfig, RolloutGenerator, SamplingParams
+from rollout.demo import task
+from rollout.demo.async_grpo import optimizer_step, split_threads
+from rollout.loading import DEFAULT_MODEL, load_model
+
+
+def rss_mib() -> float:
+    """Resident set size now (Linux /proc), in MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def run(max_staleness: int, args) -> dict:
+    engine_threads, trainer_threads = split_threads(args.threads, args.engine_threads)
+    torch.set_num_threads(trainer_threads)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model(str(DEFAULT_MODEL), torch.float32)
+    generator = RolloutGenerator(model, tokenizer=tokenizer, seed=args.seed,
+                                 continuous_batching_config=ContinuousBatchingConfig(page_size=16))
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    marks, rewards, waits, idles, behind = {}, [], [], [], []
+    start = time.perf_counter()
+    with AsyncRollouts(generator, task.make_prompts(args.steps * args.prompts_per_step, seed=args.seed), task.reward,
+                       groups_per_batch=args.prompts_per_step, n=args.group, sampling_params=params,
+                       max_staleness=max_staleness, engine_threads=engine_threads, seed=args.seed) as producer:
+        for step, batch in enumerate(producer, start=1):
+            metrics = optimizer_step(model, optimizer, batch, 1.0, tokenizer.pad_token_id)
+            producer.update_weights(model)
+            rewards.append(metrics["reward"])
+            waits.append(batch.metrics["async/trainer_wait_fraction"])
+            idles.append(batch.metrics["async/producer_idle_fraction"])
+            behind.append(batch.metrics["async/versions_behind/mean"])
+            if step in args.report_at:
+                stats = generator.manager.stats()
+                marks[step] = (rss_mib(), stats.used_blocks, stats.cached_blocks, stats.num_blocks)
+    seconds = time.perf_counter() - start
+    generator.close()
+    steps = len(rewards)
+    return {"max_staleness": max_staleness, "steps": steps, "seconds": seconds,
+            "samples_per_second": steps * args.prompts_per_step * args.group / seconds,
+            "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]), "trainer_wait": sum(waits) / steps,
+            "engine_idle": sum(idles) / steps, "behind": sum(behind) / steps, "marks": marks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-staleness", default="0,1,2", help="comma-separated values, run in this order")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine-threads", type=int, default=None)
+    parser.add_argument("--report-at", default="", help="steps at which to record RSS and KV blocks in use")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.report_at = {int(s) for s in args.report_at.split(",") if s}
+    flags = subprocess.run("grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u | tr '\\n' ' '", shell=True,
+                           capture_output=True, text=True).stdout.strip()
+    print(f"CPU flags: {flags}; torch {torch.__version__}")
+    print("| max_staleness | steps | s | samples/s | x first row | reward (last 10) | trainer waiting | engine idle "
+          "| versions behind |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    first = None
+    for value in [int(s) for s in args.max_staleness.split(",")]:
+        row = run(value, args)
+        first = first or row["samples_per_second"]
+        print(f"| {value} | {row['steps']} | {row['seconds']:.1f} | {row['samples_per_second']:.0f} | "
+              f"{row['samples_per_second'] / first:.2f} | {row['reward_last10']:.3f} | {row['trainer_wait']:.0%} | "
+              f"{row['engine_idle']:.0%} | {row['behind']:.2f} |", flush=True)
+        for step, (rss, used, cached, total) in sorted(row["marks"].items()):
+            print(f"|   step {step}: RSS {rss:.0f} MiB, KV blocks of {total}: {used} in use, {cached} cached | | | | | "
+                  "| | | |")
+
+
+if __name__ == "__main__":
+    main()
