@@ -2,24 +2,32 @@
 
     python benchmarks/async_rl.py --max-staleness 0,1,2 --steps 60
     python benchmarks/async_rl.py --max-staleness 1 --steps 500 --report-at 50,500   # RSS and KV stay flat
+    python benchmarks/async_rl.py --backend server     # generation in a `rollout serve` process on core 1
 
 Each run is the loop of `rollout demo --async` (rollout.demo.async_grpo) on the embedded policy, with the same
-seeds; `max_staleness=0` is the same loop made synchronous. The engine's loop and the trainer get `--engine-threads`
-and the rest of `--threads`. Prints one table row per run, and the RSS and KV blocks in use at each `--report-at` step.
+seeds; `max_staleness=0` is the same loop made synchronous. In process (`--backend engine`) the engine's loop and the
+trainer get `--engine-threads` and the rest of `--threads`; with `--backend server` the trainer is pinned to core 0
+and a `rollout serve` process with one thread to core 1, and weights stream to it over HTTP after every step.
+Prints one table row per run, and the RSS and KV blocks in use at each `--report-at` step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import resource
 import subprocess
+import sys
 import time
 
 import torch
+from serving import free_port, stop_server, wait_ready
 
 from rollout import AsyncRollouts, ContinuousBatchingConfig, RolloutGenerator, SamplingParams
 from rollout.demo import task
 from rollout.demo.async_grpo import optimizer_step, split_threads
+from rollout.distributed import RolloutServerPool
 from rollout.loading import DEFAULT_MODEL, load_model
 
 
@@ -30,13 +38,45 @@ def rss_mib() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
-def run(max_staleness: int, args) -> dict:
+@contextlib.contextmanager
+def served(args):
+    """A `rollout serve` process of the embedded policy on core 1 (one thread); yields its URL."""
+    port = free_port()
+    cmd = ["taskset", "-c", "1", sys.executable, "-c", "import sys; from rollout.cli import main; sys.exit(main())",
+           "serve", "--model", str(DEFAULT_MODEL), "--port", str(port), "--log-level", "warning", "--cpu-threads",
+           "1", "--page-size", "16", "--seed", str(args.seed)]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/v1", proc, 300)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(proc)
+
+
+def backend_for(args, model, tokenizer, stack: contextlib.ExitStack):
+    """(backend, engine_threads): the in-process generator, or a pool over one served process."""
+    if args.backend == "server":
+        os.sched_setaffinity(0, {0})
+        torch.set_num_threads(1)
+        pool = stack.enter_context(RolloutServerPool([stack.enter_context(served(args))], seed=args.seed))
+        pool.update_weights(model)  # the served copy starts from the trainer's weights (version 1 on both sides)
+        return pool, None
     engine_threads, trainer_threads = split_threads(args.threads, args.engine_threads)
     torch.set_num_threads(trainer_threads)
+    generator = stack.enter_context(RolloutGenerator(model, tokenizer=tokenizer, seed=args.seed,
+                                    continuous_batching_config=ContinuousBatchingConfig(page_size=16)))
+    return generator, engine_threads
+
+
+def run(max_staleness: int, args) -> dict:
+    with contextlib.ExitStack() as stack:
+        return _run(max_staleness, args, stack)
+
+
+def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(str(DEFAULT_MODEL), torch.float32)
-    generator = RolloutGenerator(model, tokenizer=tokenizer, seed=args.seed,
-                                 continuous_batching_config=ContinuousBatchingConfig(page_size=16))
+    generator, engine_threads = backend_for(args, model, tokenizer, stack)
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     marks, rewards, waits, idles, behind = {}, [], [], [], []
@@ -52,10 +92,9 @@ def run(max_staleness: int, args) -> dict:
             idles.append(batch.metrics["async/producer_idle_fraction"])
             behind.append(batch.metrics["async/versions_behind/mean"])
             if step in args.report_at:
-                stats = generator.manager.stats()
+                stats = generator.stats()
                 marks[step] = (rss_mib(), stats.used_blocks, stats.cached_blocks, stats.num_blocks)
     seconds = time.perf_counter() - start
-    generator.close()
     steps = len(rewards)
     return {"max_staleness": max_staleness, "steps": steps, "seconds": seconds,
             "samples_per_second": steps * args.prompts_per_step * args.group / seconds,
@@ -69,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--backend", choices=["engine", "server"], default="engine")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-threads", type=int, default=None)
     parser.add_argument("--report-at", default="", help="steps at which to record RSS and KV blocks in use")
@@ -77,7 +117,7 @@ def main() -> None:
     args.report_at = {int(s) for s in args.report_at.split(",") if s}
     flags = subprocess.run("grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u | tr '\\n' ' '", shell=True,
                            capture_output=True, text=True).stdout.strip()
-    print(f"CPU flags: {flags}; torch {torch.__version__}")
+    print(f"CPU flags: {flags}; torch {torch.__version__}; backend: {args.backend}")
     print("| max_staleness | steps | s | samples/s | x first row | reward (last 10) | trainer waiting | engine idle "
           "| versions behind |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

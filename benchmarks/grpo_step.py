@@ -71,6 +71,8 @@ BACKENDS = {
     "rollout": "RolloutGRPOTrainer (rollout engine, rollout_old_logprobs='auto')",
     "rollout_recompute": "RolloutGRPOTrainer with rollout_old_logprobs='recompute' (TRL recomputes old logprobs)",
     "rollout_untrimmed": "RolloutGRPOTrainer with rollout_trim_padding=False (TRL's padded loss forward)",
+    "rollout_async1": "AsyncRolloutGRPOTrainer, rollout_max_staleness=1 (engine and trainer one core each)",
+    "rollout_async2": "AsyncRolloutGRPOTrainer, rollout_max_staleness=2 (engine and trainer one core each)",
     "generate": "GRPOTrainer, default path (model.generate)",
     "trl_cb": "GRPOTrainer, use_transformers_continuous_batching=True",
 }
@@ -281,7 +283,13 @@ def child_main(args) -> None:
         config["use_transformers_continuous_batching"] = True
     kwargs = dict(model=model, reward_funcs=reward_multiple_of_8, args=GRPOConfig(**config), train_dataset=dataset,
                   processing_class=tok)
-    if backend.startswith("rollout"):
+    if backend.startswith("rollout_async"):
+        from rollout import ContinuousBatchingConfig
+        from trainer_hooks import AsyncRolloutGRPOTrainer
+
+        trainer = AsyncRolloutGRPOTrainer(**kwargs, rollout_config=ContinuousBatchingConfig(page_size=args.page_size),
+                                          rollout_max_staleness=int(backend[-1]))
+    elif backend.startswith("rollout"):
         from rollout import ContinuousBatchingConfig
         from trainer_hooks import RolloutGRPOTrainer
 

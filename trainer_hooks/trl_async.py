@@ -50,12 +50,13 @@ class AsyncRolloutTRLGeneration(RolloutTRLGeneration):
 
 
 class AsyncRolloutGRPOTrainer(RolloutGRPOTrainer):
-    """RolloutGRPOTrainer with generation running ahead of the optimizer; extra argument `rollout_max_staleness`
-    (weight versions a sample's oldest token may lag the trained weights, default 1; see rollout.rl.staleness)."""
+    """RolloutGRPOTrainer with generation running ahead of the optimizer. Extra arguments: `rollout_max_staleness`
+    (weight versions a sample's oldest token may lag the trained weights, default 1; see rollout.rl.staleness) and
+    `rollout_engine_threads` (on a CPU, the engine's intra-op threads; the trainer keeps the rest; default half)."""
 
     generation_class = AsyncRolloutTRLGeneration
 
-    def __init__(self, *args, rollout_max_staleness: int = 1, **kwargs):
+    def __init__(self, *args, rollout_max_staleness: int = 1, rollout_engine_threads: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         reasons = [why for why, present in [
             ("several processes", self.accelerator.num_processes > 1),
@@ -70,6 +71,7 @@ class AsyncRolloutGRPOTrainer(RolloutGRPOTrainer):
             raise ValueError("AsyncRolloutGRPOTrainer needs share_weights=False: training would change the weights "
                              "that running groups read")
         self.rollout_max_staleness = rollout_max_staleness
+        self.rollout_engine_threads = rollout_engine_threads
         self.rollout_producer: AsyncRollouts | None = None
 
     def _generate_and_score_completions(self, inputs):
@@ -93,7 +95,19 @@ class AsyncRolloutGRPOTrainer(RolloutGRPOTrainer):
         return AsyncRollouts(self.rollout_backend, self._prompt_rows(), None, groups_per_batch=groups,
                              n=self.num_generations, sampling_params=self.vllm_generation.sampling_params,
                              max_staleness=self.rollout_max_staleness, prompt_key=PROMPT_IDS_KEY,
-                             seed=self.args.seed)
+                             engine_threads=self._split_cpu_threads(), seed=self.args.seed)
+
+    def _split_cpu_threads(self) -> int | None:
+        """On a CPU the engine and the trainer run at once: give the engine `rollout_engine_threads` (default half)
+        and the trainer the rest, so the two OpenMP teams never hold more threads than there are cores."""
+        if self.accelerator.device.type != "cpu" or self.rollout_backend.shared_by_processes:
+            return self.rollout_engine_threads
+        total = torch.get_num_threads()
+        engine = self.rollout_engine_threads or max(1, total // 2)
+        torch.set_num_threads(max(1, total - engine))
+        logger.info("async GRPO on CPU: %d intra-op thread(s) for the engine, %d for the trainer", engine,
+                    torch.get_num_threads())
+        return engine
 
     def _prompt_rows(self):
         """The train dataset's rows without end, shuffled once per pass, each with its prompt tokenized by TRL."""

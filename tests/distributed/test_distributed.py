@@ -280,3 +280,26 @@ def test_grpo_trains_through_a_pool(tmp_path, pool, tok):
     assert all(f"rollout/worker{w}/tokens_per_second" in logs[-1] for w in pool.worker_ids)
     assert logs[-1]["rollout/workers"] == 2
     assert trainer.vllm_generation.old_logprobs_static_reason is None  # same dtype: the pool counts as exact
+
+
+def test_an_async_producer_over_the_pool_keeps_the_bound_with_updates_in_flight(pool, model):
+    from rollout import AsyncRollouts
+
+    def length(completion_ids, **kwargs):
+        return [float(len(ids)) for ids in completion_ids]
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    first = pool.weight_version
+    with AsyncRollouts(pool, random_prompts([6, 11, 4, 9, 7, 5], seed=8), length, groups_per_batch=2, n=2,
+                       sampling_params=params, max_staleness=1, seed=1) as producer:
+        batches = []
+        for k, batch in enumerate(producer):
+            batches.append(batch)
+            producer.update_weights(perturbed(model, seed=20 + k))
+    assert _worker_versions(pool) == {first + len(batches)}
+    groups = [g for b in batches for g in b.groups]
+    assert sorted(g.index for g in groups) == list(range(6))
+    for batch in batches:
+        assert max(batch.versions_behind()) <= 1
+        assert all(g.rewards == [12.0, 12.0] for g in batch.groups)
+    pool.update_weights(model)  # the module's other tests expect the original weights

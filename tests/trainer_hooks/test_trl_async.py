@@ -14,6 +14,14 @@ from tests.trainer_hooks.test_trl import CB, PROMPTS, _common, _policy, reward_w
 from trainer_hooks import AsyncRolloutGRPOTrainer
 
 
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """The async trainer splits this process's intra-op threads between the engine and itself."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_async_grpo_trains_within_the_bound_and_frees_the_engine(tmp_path, max_staleness):
     model, tok = _policy()
@@ -23,7 +31,9 @@ def test_async_grpo_trains_within_the_bound_and_frees_the_engine(tmp_path, max_s
                                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
                                       rollout_config=CB, rollout_max_staleness=max_staleness)
     gen = trainer.rollout_generator
+    threads = torch.get_num_threads()
     trainer.train()
+    assert torch.get_num_threads() == max(1, threads - max(1, threads // 2)), "the trainer keeps the other half"
     logs = [h for h in trainer.state.log_history if "async/versions_behind/max" in h]
     assert len(logs) == 4
     assert all(h["async/versions_behind/max"] <= max_staleness for h in logs)
