@@ -79,7 +79,7 @@ def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
     generator, engine_threads = backend_for(args, model, tokenizer, stack)
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    marks, rewards, waits, idles, behind = {}, [], [], [], []
+    marks, rewards, waits, idles, behind, p99, top, clipped = {}, [], [], [], [], [], [], []
     start = time.perf_counter()
     with AsyncRollouts(generator, task.make_prompts(args.steps * args.prompts_per_step, seed=args.seed), task.reward,
                        groups_per_batch=args.prompts_per_step, n=args.group, sampling_params=params,
@@ -91,6 +91,9 @@ def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
             waits.append(batch.metrics["async/trainer_wait_fraction"])
             idles.append(batch.metrics["async/producer_idle_fraction"])
             behind.append(batch.metrics["async/versions_behind/mean"])
+            p99.append(metrics["async/is_ratio/p99"])
+            top.append(metrics["async/is_ratio/max"])
+            clipped.append(metrics["async/clipped_fraction"])
             if step in args.report_at:
                 stats = generator.stats()
                 marks[step] = (rss_mib(), stats.used_blocks, stats.cached_blocks, stats.num_blocks)
@@ -99,7 +102,8 @@ def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
     return {"max_staleness": max_staleness, "steps": steps, "seconds": seconds,
             "samples_per_second": steps * args.prompts_per_step * args.group / seconds,
             "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]), "trainer_wait": sum(waits) / steps,
-            "engine_idle": sum(idles) / steps, "behind": sum(behind) / steps, "marks": marks}
+            "engine_idle": sum(idles) / steps, "behind": sum(behind) / steps, "marks": marks, "rewards": rewards,
+            "is_p99": sum(p99) / steps, "is_max": max(top), "clipped": sum(clipped) / steps}
 
 
 def main() -> None:
@@ -113,24 +117,49 @@ def main() -> None:
     parser.add_argument("--engine-threads", type=int, default=None)
     parser.add_argument("--report-at", default="", help="steps at which to record RSS and KV blocks in use")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, help="write the runs' reward curves to this PNG")
     args = parser.parse_args()
     args.report_at = {int(s) for s in args.report_at.split(",") if s}
     flags = subprocess.run("grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u | tr '\\n' ' '", shell=True,
                            capture_output=True, text=True).stdout.strip()
     print(f"CPU flags: {flags}; torch {torch.__version__}; backend: {args.backend}")
     print("| max_staleness | steps | s | samples/s | x first row | reward (last 10) | trainer waiting | engine idle "
-          "| versions behind |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    first = None
+          "| versions behind | IS ratio p99 (mean over steps) | IS ratio max | tokens clipped |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    first, curves = None, {}
     for value in [int(s) for s in args.max_staleness.split(",")]:
         row = run(value, args)
+        curves[value] = row["rewards"]
         first = first or row["samples_per_second"]
         print(f"| {value} | {row['steps']} | {row['seconds']:.1f} | {row['samples_per_second']:.0f} | "
               f"{row['samples_per_second'] / first:.2f} | {row['reward_last10']:.3f} | {row['trainer_wait']:.0%} | "
-              f"{row['engine_idle']:.0%} | {row['behind']:.2f} |", flush=True)
+              f"{row['engine_idle']:.0%} | {row['behind']:.2f} | {row['is_p99']:.3f} | {row['is_max']:.2f} | "
+              f"{row['clipped']:.4%} |", flush=True)
         for step, (rss, used, cached, total) in sorted(row["marks"].items()):
             print(f"|   step {step}: RSS {rss:.0f} MiB, KV blocks of {total}: {used} in use, {cached} cached | | | | | "
                   "| | | |")
+    if args.plot:
+        plot(curves, args.plot)
+
+
+def plot(curves: dict[int, list[float]], path: str) -> None:
+    """Reward per optimizer step of each run, on one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for staleness, rewards in curves.items():
+        label = "synchronous (max_staleness=0)" if staleness == 0 else f"async, max_staleness={staleness}"
+        ax.plot(range(1, len(rewards) + 1), rewards, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("batch reward")
+    ax.set_title("demo task: reward per step, sync against async")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"reward curves: {path}")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,11 @@ class AsyncRollouts:
     def weight_version(self) -> int:
         return self._gate.version
 
+    @property
+    def updates(self) -> int:
+        """Weight updates pushed through this producer."""
+        return self._gate.version - self._gate.first_version
+
     def __iter__(self) -> Iterator[AsyncBatch]:
         while (batch := self.next_batch()) is not None:
             yield batch

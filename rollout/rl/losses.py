@@ -60,5 +60,6 @@ def decoupled_grpo_loss(logps: torch.Tensor, behaviour_logps: torch.Tensor, adva
     stats = {"is_ratio/mean": float(real.mean()) if real.numel() else 1.0,
              "is_ratio/max": float(real.max()) if real.numel() else 1.0,
              "is_ratio/min": float(real.min()) if real.numel() else 1.0,
+             "is_ratio/p99": float(torch.quantile(real, 0.99)) if real.numel() else 1.0,
              "clipped_fraction" if mode == "token_truncate" else "masked_fraction": float(over.sum() / tokens)}
     return loss, stats

@@ -40,6 +40,8 @@ def test_importance_weighted_loss_and_its_gradient_match_a_hand_computation(mode
     key = "clipped_fraction" if mode == "token_truncate" else "masked_fraction"
     assert over == 1 and stats[key] == pytest.approx(1 / 5)
     assert stats["is_ratio/max"] == pytest.approx(math.exp(0.8))
+    ratios = sorted(math.exp(current[i, t] - behaviour[i, t]) for i in range(2) for t in range(3) if mask[i, t])
+    assert stats["is_ratio/p99"] == pytest.approx(ratios[3] + 0.96 * (ratios[4] - ratios[3]), rel=1e-5)
 
 
 def test_bad_settings_are_named():
