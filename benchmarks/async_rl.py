@@ -79,7 +79,7 @@ def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
     generator, engine_threads = backend_for(args, model, tokenizer, stack)
     params = SamplingParams(temperature=1.0, max_new_tokens=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    marks, rewards, waits, idles, behind, p99, top, clipped = {}, [], [], [], [], [], [], []
+    marks, rewards, times, waits, idles, behind, p99, top, clipped = {}, [], [], [], [], [], [], [], []
     start = time.perf_counter()
     with AsyncRollouts(generator, task.make_prompts(args.steps * args.prompts_per_step, seed=args.seed), task.reward,
                        groups_per_batch=args.prompts_per_step, n=args.group, sampling_params=params,
@@ -88,6 +88,7 @@ def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
             metrics = optimizer_step(model, optimizer, batch, 1.0, tokenizer.pad_token_id)
             producer.update_weights(model)
             rewards.append(metrics["reward"])
+            times.append(time.perf_counter() - start)
             waits.append(batch.metrics["async/trainer_wait_fraction"])
             idles.append(batch.metrics["async/producer_idle_fraction"])
             behind.append(batch.metrics["async/versions_behind/mean"])
@@ -98,12 +99,20 @@ def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
                 stats = generator.stats()
                 marks[step] = (rss_mib(), stats.used_blocks, stats.cached_blocks, stats.num_blocks)
     seconds = time.perf_counter() - start
+    to_target = next((i + 1 for i in range(len(times)) if _moving_mean(rewards, i) >= args.target), None)
     steps = len(rewards)
     return {"max_staleness": max_staleness, "steps": steps, "seconds": seconds,
             "samples_per_second": steps * args.prompts_per_step * args.group / seconds,
             "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]), "trainer_wait": sum(waits) / steps,
             "engine_idle": sum(idles) / steps, "behind": sum(behind) / steps, "marks": marks, "rewards": rewards,
-            "is_p99": sum(p99) / steps, "is_max": max(top), "clipped": sum(clipped) / steps}
+            "is_p99": sum(p99) / steps, "is_max": max(top), "clipped": sum(clipped) / steps,
+            "target_step": to_target, "target_seconds": times[to_target - 1] if to_target else None}
+
+
+def _moving_mean(values: list[float], i: int, window: int = 5) -> float:
+    """Mean of the `window` values ending at index i (fewer at the start)."""
+    part = values[max(0, i - window + 1):i + 1]
+    return sum(part) / len(part)
 
 
 def main() -> None:
@@ -118,14 +127,16 @@ def main() -> None:
     parser.add_argument("--report-at", default="", help="steps at which to record RSS and KV blocks in use")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="write the runs' reward curves to this PNG")
+    parser.add_argument("--target", type=float, default=0.9, help="the reward target whose wall-clock is reported")
     args = parser.parse_args()
     args.report_at = {int(s) for s in args.report_at.split(",") if s}
     flags = subprocess.run("grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u | tr '\\n' ' '", shell=True,
                            capture_output=True, text=True).stdout.strip()
     print(f"CPU flags: {flags}; torch {torch.__version__}; backend: {args.backend}")
     print("| max_staleness | steps | s | samples/s | x first row | reward (last 10) | trainer waiting | engine idle "
-          "| versions behind | IS ratio p99 (mean over steps) | IS ratio max | tokens clipped |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| versions behind | IS ratio p99 (mean over steps) | IS ratio max | tokens clipped "
+          f"| reward >= {args.target} (5-step mean): step, s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     first, curves = None, {}
     for value in [int(s) for s in args.max_staleness.split(",")]:
         row = run(value, args)
@@ -134,12 +145,16 @@ def main() -> None:
         print(f"| {value} | {row['steps']} | {row['seconds']:.1f} | {row['samples_per_second']:.0f} | "
               f"{row['samples_per_second'] / first:.2f} | {row['reward_last10']:.3f} | {row['trainer_wait']:.0%} | "
               f"{row['engine_idle']:.0%} | {row['behind']:.2f} | {row['is_p99']:.3f} | {row['is_max']:.2f} | "
-              f"{row['clipped']:.4%} |", flush=True)
+              f"{row['clipped']:.4%} | {_target(row)} |", flush=True)
         for step, (rss, used, cached, total) in sorted(row["marks"].items()):
             print(f"|   step {step}: RSS {rss:.0f} MiB, KV blocks of {total}: {used} in use, {cached} cached | | | | | "
                   "| | | |")
     if args.plot:
         plot(curves, args.plot)
+
+
+def _target(row: dict) -> str:
+    return "not reached" if row["target_step"] is None else f"{row['target_step']}, {row['target_seconds']:.1f}"
 
 
 def plot(curves: dict[int, list[float]], path: str) -> None:
