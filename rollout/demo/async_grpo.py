@@ -53,6 +53,7 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     if run_dir is not None:
         import wandb
 
+        summary["wandb_run_dir"], summary["wandb_offline"] = run_dir
         wandb.run.summary.update({"accuracy_before": summary["accuracy_before"]["sampled"],
                                   "accuracy_after": summary["accuracy_after"]["sampled"]})
         wandb.finish()
@@ -60,6 +61,10 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     summary_path.write_text(json.dumps(summary, indent=2))
     report(summary, out)
     out.write(f"  summary: {summary_path}\n")
+    if summary.get("wandb_run_dir"):
+        offline = summary.get("wandb_offline")
+        out.write(f"  W&B run: {summary['wandb_run_dir']}" + (
+            f"  (offline; upload with: wandb sync {summary['wandb_run_dir']})" if offline else "") + "\n")
     return summary
 
 
