@@ -16,26 +16,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import resource
 import subprocess
 import sys
 import time
 
 import torch
+from common import current_rss_mib
 from serving import free_port, stop_server, wait_ready
 
 from rollout import AsyncRollouts, ContinuousBatchingConfig, RolloutGenerator, SamplingParams
 from rollout.demo import task
-from rollout.demo.async_grpo import optimizer_step, split_threads
+from rollout.demo.async_grpo import optimizer_step
 from rollout.distributed import RolloutServerPool
 from rollout.loading import DEFAULT_MODEL, load_model
-
-
-def rss_mib() -> float:
-    """Resident set size now (Linux /proc), in MiB."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 2**20
+from rollout.thread_teams import split_threads
 
 
 @contextlib.contextmanager
@@ -61,7 +55,7 @@ def backend_for(args, model, tokenizer, stack: contextlib.ExitStack):
         pool = stack.enter_context(RolloutServerPool([stack.enter_context(served(args))], seed=args.seed))
         pool.update_weights(model)  # the served copy starts from the trainer's weights (version 1 on both sides)
         return pool, None
-    engine_threads, trainer_threads = split_threads(args.threads, args.engine_threads)
+    engine_threads, trainer_threads = split_threads(args.threads, args.engine_threads, "--engine-threads")
     torch.set_num_threads(trainer_threads)
     generator = stack.enter_context(RolloutGenerator(model, tokenizer=tokenizer, seed=args.seed,
                                     continuous_batching_config=ContinuousBatchingConfig(page_size=16)))
@@ -97,7 +91,7 @@ def _run(max_staleness: int, args, stack: contextlib.ExitStack) -> dict:
             clipped.append(metrics["async/clipped_fraction"])
             if step in args.report_at:
                 stats = generator.stats()
-                marks[step] = (rss_mib(), stats.used_blocks, stats.cached_blocks, stats.num_blocks)
+                marks[step] = (current_rss_mib(), stats.used_blocks, stats.cached_blocks, stats.num_blocks)
     seconds = time.perf_counter() - start
     to_target = next((i + 1 for i in range(len(times)) if _moving_mean(rewards, i) >= args.target), None)
     steps = len(rewards)

@@ -74,3 +74,13 @@ def leave_stepping_to_loop() -> Iterator[None]:
 def may_step_here() -> bool:
     """False inside `leave_stepping_to_loop`."""
     return not getattr(_marks, "leave_to_loop", False)
+
+
+def split_threads(total: int, engine_threads: int | None, what: str = "engine_threads") -> tuple[int, int]:
+    """(engine, trainer) intra-op threads when an engine and a trainer run at once in one process: the engine gets
+    `engine_threads` (default half of `total`), the trainer the rest, so their two OpenMP teams never hold more threads
+    than `total`. `what` names the setting in the error for a bad value."""
+    engine = engine_threads if engine_threads is not None else max(1, total // 2)
+    if engine < 1:
+        raise ValueError(f"{what} must be >= 1, got {engine}")
+    return engine, max(1, total - engine)

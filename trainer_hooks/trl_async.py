@@ -21,6 +21,7 @@ import torch
 
 from rollout.rl.async_rollouts import AsyncBatch, AsyncRollouts
 from rollout.rl.batch import RolloutBatch
+from rollout.thread_teams import split_threads
 from trainer_hooks.trl import RolloutGRPOTrainer, RolloutTRLGeneration
 
 logger = logging.getLogger(__name__)
@@ -102,9 +103,9 @@ class AsyncRolloutGRPOTrainer(RolloutGRPOTrainer):
         and the trainer the rest, so the two OpenMP teams never hold more threads than there are cores."""
         if self.accelerator.device.type != "cpu" or self.rollout_backend.shared_by_processes:
             return self.rollout_engine_threads
-        total = torch.get_num_threads()
-        engine = self.rollout_engine_threads or max(1, total // 2)
-        torch.set_num_threads(max(1, total - engine))
+        engine, trainer = split_threads(torch.get_num_threads(), self.rollout_engine_threads or None,
+                                        "rollout_engine_threads")
+        torch.set_num_threads(trainer)
         logger.info("async GRPO on CPU: %d intra-op thread(s) for the engine, %d for the trainer", engine,
                     torch.get_num_threads())
         return engine

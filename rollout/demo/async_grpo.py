@@ -25,17 +25,10 @@ from rollout.demo import task
 from rollout.demo.run import MODEL_ALTERNATIVE, evaluate, make_reward, plot, wandb_run_dir, wandb_setup
 from rollout.loading import load_model
 from rollout.rl.losses import completion_logprobs, decoupled_grpo_loss, group_advantages
+from rollout.thread_teams import split_threads
 from trainer_hooks.metrics import log_to_wandb
 
 logger = logging.getLogger(__name__)
-
-
-def split_threads(total: int, engine_threads: int | None) -> tuple[int, int]:
-    """(engine, trainer) intra-op threads: the engine gets `engine_threads` (default half), the trainer the rest."""
-    engine = engine_threads if engine_threads is not None else max(1, total // 2)
-    if engine < 1:
-        raise ValueError(f"--engine-threads must be >= 1, got {engine}")
-    return engine, max(1, total - engine)
 
 
 def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
@@ -70,7 +63,8 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
 
 def train(args: argparse.Namespace, out: TextIO = sys.stdout) -> dict:
     """Evaluate, train asynchronously for `args.steps` optimizer steps, evaluate again; returns the summary."""
-    engine_threads, trainer_threads = split_threads(args.threads, getattr(args, "engine_threads", None))
+    engine_threads, trainer_threads = split_threads(args.threads, getattr(args, "engine_threads", None),
+                                                    "--engine-threads")
     torch.set_num_threads(trainer_threads)
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, torch.float32, alternative=MODEL_ALTERNATIVE)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import threading
 import time
@@ -367,4 +366,4 @@ class _Stopwatch:
         total, self.total = self.total, 0.0
         if running:
             self.start()
-        return total if math.isfinite(total) else 0.0
+        return total
