@@ -28,16 +28,29 @@ DEFAULT_BATCH_TOKENS = 8192
 # (benchmarks/RESULTS.md, "Serving").
 CPU_DEFAULT_BATCH_TOKENS = 512
 DEFAULT_MAX_REQUESTS = 1024
-# On CPU the KV cache lives in the same RAM as everything else: without a workload hint the pool is capped here so a
-# small model does not reserve gigabytes for a handful of requests.
+DEFAULT_MEMORY_PERCENT = 0.8  # share of usable memory the KV cache may take when max_memory_percent is unset
+# Headroom kept beside the cache for one step: activations per token of max_batch_tokens (a conservative bound for
+# mid-size models) and, per logit of up to max_requests_per_batch sampled rows, the logits, their fp32 copy and the
+# sampler's work.
+ACTIVATION_BYTES_PER_TOKEN = 64 * 1024
+LOGIT_BYTES = 12
+# Without a workload hint (and without max_memory_percent) the pool is capped by a token budget and a byte budget, so a
+# default engine does not take memory that others need. CPU: the cache lives in the same RAM as everything else, so a
+# small model does not reserve gigabytes for a handful of requests. CUDA: the GPU is often shared with a trainer,
+# whose first optimizer step must still fit; the byte budget is a share of the device's total memory.
 CPU_DEFAULT_CACHE_BYTES = 512 * 1024**2
 CPU_DEFAULT_CACHE_TOKENS = 65536
+CUDA_DEFAULT_CACHE_FRACTION = 0.25
+CUDA_DEFAULT_CACHE_TOKENS = 262144
 # Tokens per KV page when `page_size` is left unset, per device type. CPU: small pages waste less of the last page per
 # sequence and keep the attention kernel's per-page loop short; on W1 16, 32 and 64 are within noise of each other
 # while 256 is slower and takes more memory, on AVX-512 and AVX2 machines alike (benchmarks/RESULTS.md, "Page size";
-# AVX2: results-history.md). CUDA: flash-attn's paged kernels need a multiple of 256.
-DEFAULT_PAGE_SIZE = {"cpu": 32, "cuda": 256}
+# AVX2: results-history.md). CUDA: the page flash-attn's paged kernels need when they serve the cache (flash-attn
+# importable, fp16/bf16); without them the SDPA path gathers whole pages per decode row, so small pages read less.
+DEFAULT_PAGE_SIZE = {"cpu": 32, "cuda": 16}
+FLASH_PAGE_SIZE = 256
 FALLBACK_PAGE_SIZE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # torch.compile of the engine's forward (rollout/engine/worker/compiled_forward.py): the keywords a compile config
 # may hold, and what each default_compile_level means (as in transformers).
 COMPILE_KEYS = ("mode", "dynamic", "fullgraph", "options", "backend")
@@ -62,7 +75,7 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[object, str]] = {
 class ContinuousBatchingConfig:
     """How the engine uses memory and schedules work. All fields are optional; `None` means "infer"."""
 
-    page_size: int | None = None  # None: DEFAULT_PAGE_SIZE for the model's device
+    page_size: int | None = None  # None: default_page_size for the model's device, dtype and kernels
     num_blocks: int | None = None
     max_batch_tokens: int | None = None
     max_memory_percent: float | None = None
@@ -172,37 +185,66 @@ class ContinuousBatchingConfig:
                                  f"leave it at its default ({default!r}).")
 
     # ------------------------------------------------------------------ sizing
-    def for_device(self, device: torch.device) -> ContinuousBatchingConfig:
-        """A copy with every device-dependent default resolved (the caller's object is left as given)."""
+    def for_device(self, device: torch.device, dtype: torch.dtype | None = None,
+                   flash_attn: bool = False) -> ContinuousBatchingConfig:
+        """A copy with every device-dependent default resolved (the caller's object is left as given).
+        `flash_attn`: whether flash-attn imports in this process (the engine passes what its worker found)."""
         if self.page_size is not None:
             return self
-        return dataclasses.replace(self, page_size=DEFAULT_PAGE_SIZE.get(device.type, FALLBACK_PAGE_SIZE))
+        return dataclasses.replace(self, page_size=default_page_size(device, dtype, flash_attn))
 
     def resolve_batch_tokens(self, device: torch.device) -> int:
         """Token budget per forward: the user's value as given, else the default capped by free memory (>= 256)."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         if device.type == "cuda":  # keep the activations of one step well inside free memory
-            per_token = 64 * 1024  # bytes of activations per token, a conservative bound for mid-size models
-            cap = int(_free_memory_bytes(device) * 0.05 // per_token)
+            cap = int(_memory_bytes(device)[0] * 0.05 // ACTIVATION_BYTES_PER_TOKEN)
             return max(MIN_BATCH_TOKENS, min(DEFAULT_BATCH_TOKENS, cap))
         return CPU_DEFAULT_BATCH_TOKENS if device.type == "cpu" else DEFAULT_BATCH_TOKENS
 
-    def resolve_num_blocks(
-        self, bytes_per_block: int, device: torch.device, tokens_hint: int | None = None
-    ) -> int:
-        """Number of KV blocks: explicit, or sized for the known workload, capped by the memory budget."""
+    def resolve_num_blocks(self, bytes_per_block: int, device: torch.device, tokens_hint: int | None = None,
+                           batch_tokens: int | None = None, vocab_size: int = 0) -> int:
+        """Number of KV blocks: `num_blocks` as given; else what the workload hint needs, or without one the device's
+        default budget, never more than `max_memory_percent` of usable memory nor than what leaves a step's
+        activations room (a cache that fills the device fails the first step, or the trainer's beside it)."""
         if self.num_blocks is not None:
+            logger.info("KV cache: %d blocks of %d tokens (num_blocks)", self.num_blocks, self.page_size)
             return self.num_blocks
-        budget = _free_memory_bytes(device) * (self.max_memory_percent or 0.8)
-        if device.type == "cpu" and tokens_hint is None:
-            budget = min(budget, CPU_DEFAULT_CACHE_BYTES,
-                         CPU_DEFAULT_CACHE_TOKENS * bytes_per_block // self.page_size)
-        max_blocks = max(1, int(budget // bytes_per_block))
+        usable, total = _memory_bytes(device)
+        batch_tokens = batch_tokens or self.resolve_batch_tokens(device)
+        rows = min(batch_tokens, self.max_requests_per_batch or DEFAULT_MAX_REQUESTS)
+        headroom = batch_tokens * ACTIVATION_BYTES_PER_TOKEN + rows * vocab_size * LOGIT_BYTES
+        share = self.max_memory_percent or DEFAULT_MEMORY_PERCENT
+        budgets = [(usable * share, f"{share:.0%} of {usable / 2**30:.1f} GiB usable"),
+                   (usable - headroom, f"{usable / 2**30:.1f} GiB usable less {headroom / 2**30:.2f} GiB for a step")]
+        per_token = bytes_per_block / self.page_size
         if tokens_hint is not None:
-            wanted = math.ceil(tokens_hint / self.page_size) + 1
-            return max(1, min(wanted, max_blocks))
-        return max_blocks
+            budgets.append(((math.ceil(tokens_hint / self.page_size) + 1) * bytes_per_block,
+                            f"the workload hint of {tokens_hint} tokens"))
+        elif self.max_memory_percent is None and device.type == "cpu":
+            budgets += [(CPU_DEFAULT_CACHE_BYTES, f"the CPU default of {CPU_DEFAULT_CACHE_BYTES // 2**20} MiB"),
+                        (CPU_DEFAULT_CACHE_TOKENS * per_token, f"the CPU default of {CPU_DEFAULT_CACHE_TOKENS} tokens")]
+        elif self.max_memory_percent is None and device.type == "cuda":
+            budgets += [(total * CUDA_DEFAULT_CACHE_FRACTION,
+                         f"the CUDA default of {CUDA_DEFAULT_CACHE_FRACTION:.0%} of {total / 2**30:.1f} GiB"),
+                        (CUDA_DEFAULT_CACHE_TOKENS * per_token,
+                         f"the CUDA default of {CUDA_DEFAULT_CACHE_TOKENS} tokens")]
+        budget, reason = min(budgets, key=lambda b: b[0])
+        blocks = int(budget // bytes_per_block)
+        if blocks < 1:
+            logger.warning("KV cache: no memory left for it (%s); using 1 block: set num_blocks or free memory", reason)
+            return 1
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), from %s", blocks, self.page_size,
+                    blocks * bytes_per_block / 2**20, reason)
+        return blocks
+
+
+def default_page_size(device: torch.device, dtype: torch.dtype | None, flash_attn: bool) -> int:
+    """Tokens per page when `page_size` is unset: flash-attn's page on CUDA where its kernels can serve the cache,
+    else the device's small page."""
+    if device.type == "cuda" and flash_attn and dtype in FLASH_DTYPES:
+        return FLASH_PAGE_SIZE
+    return DEFAULT_PAGE_SIZE.get(device.type, FALLBACK_PAGE_SIZE)
 
 
 def level_compile_config(level: int) -> dict | None:
@@ -249,15 +291,20 @@ def check_compile_config(name: str, value: object) -> dict | None:
     return dict(value)
 
 
-def _free_memory_bytes(device: torch.device) -> int:
+def _memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(usable, total) bytes of the device's memory. On CUDA, memory torch's caching allocator holds but no tensor
+    uses counts as usable: it serves this process's next allocations without asking the driver."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached)), int(total)
     try:
         import psutil
 
-        return int(psutil.virtual_memory().available)
+        memory = psutil.virtual_memory()
+        return int(memory.available), int(memory.total)
     except ImportError:  # pragma: no cover - psutil ships with accelerate
         import os
 
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        page = os.sysconf("SC_PAGE_SIZE")
+        return int(os.sysconf("SC_AVPHYS_PAGES") * page), int(os.sysconf("SC_PHYS_PAGES") * page)

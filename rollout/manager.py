@@ -30,7 +30,7 @@ from rollout import interpreter_exit, thread_teams
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core.request import ErrorKind, RequestOutput, sequence_ids
 from rollout.engine.core.stats import EngineStats
-from rollout.engine.engine import LLMEngine
+from rollout.engine.engine import LLMEngine, release_device_memory
 from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.engine.worker.warm_up import WarmUp, warm_up
 from rollout.output_router import OutputCallback, OutputRouter
@@ -52,10 +52,11 @@ class ContinuousBatchingManager:
     """Runs continuous batching in a background thread; submit, stream, cancel and collect from any thread."""
 
     def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None,
-                 continuous_batching_config: ContinuousBatchingConfig | None = None, tokenizer=None) -> None:
+                 continuous_batching_config: ContinuousBatchingConfig | None = None, tokenizer=None,
+                 tokens_hint: int | None = None) -> None:
         self.model = model
-        self.engine: LLMEngine | None = LLMEngine(model, generation_config, continuous_batching_config,
-                                                  tokenizer=tokenizer)
+        self.engine: LLMEngine | None = LLMEngine(model, generation_config, continuous_batching_config, tokens_hint,
+                                                  tokenizer)
         self._engine_lock = threading.RLock()
         self._cv = threading.Condition()  # guards everything below and wakes the loop and readers
         self._inbox: deque[Submission] = deque()
@@ -127,7 +128,7 @@ class ContinuousBatchingManager:
             self._cv.notify_all()
 
     def destroy(self) -> None:
-        """Stop if needed and free the KV cache; the manager cannot be restarted afterwards."""
+        """Stop if needed and free the KV cache (on CUDA back to the driver); the manager cannot be restarted."""
         if self._destroyed:
             return
         self.stop(hard_stop=False)
@@ -137,6 +138,7 @@ class ContinuousBatchingManager:
             self._deliver(self._fail_everything(_DESTROYED_ERROR))
         with self._engine_lock:
             self.engine = None
+        release_device_memory(next(self.model.parameters()).device)
 
     def __del__(self):  # pragma: no cover - best effort
         # Only a stopped (or never started) manager gets here (a running loop keeps it alive): fail what is queued.
@@ -183,8 +185,7 @@ class ContinuousBatchingManager:
         failures included (`error_kind` says why); `get_result` and `request_id_iter` do not know such a request.
         `keep_kv` and `continues` carry a conversation's KV from one request to the next (`LLMEngine.add_request`);
         free what a kept sequence holds with `release_kv`. Settings already resolved (`engine.validate_sampling`,
-        for many requests alike) are used as they are and take no overrides.
-        """
+        for many requests alike) are used as they are and take no overrides."""
         params = with_overrides(sampling_params, max_new_tokens=max_new_tokens, **overrides)
         with self._cv:
             self._check_usable()
@@ -337,8 +338,7 @@ class ContinuousBatchingManager:
         Why: a caller that blocks on its results anyway (a trainer's rollout) steps with its own OpenMP team, so the
         process keeps one team and libgomp keeps spin-waiting between parallel regions (see `rollout.thread_teams`).
         Other threads' requests progress while the caller waits on its own; when the block ends the loop thread takes
-        over whatever is left. If another thread is already stepping, the block changes nothing.
-        """
+        over whatever is left. If another thread is already stepping, the block changes nothing."""
         me = threading.current_thread()
         with self._cv:
             claimed = self._driver is None and thread_teams.may_step_here()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout import ContinuousBatchingConfig
-from rollout.config import DEFAULT_PAGE_SIZE, UNIMPLEMENTED_FIELDS
+from rollout.config import DEFAULT_PAGE_SIZE, FLASH_PAGE_SIZE, UNIMPLEMENTED_FIELDS
 from rollout.engine.engine import LLMEngine
 from tests.helpers.models import tiny_model
 
@@ -15,7 +15,10 @@ def test_page_size_default_depends_on_the_device():
     config = ContinuousBatchingConfig()
     assert config.page_size is None
     assert config.for_device(torch.device("cpu")).page_size == DEFAULT_PAGE_SIZE["cpu"] == 32
-    assert config.for_device(torch.device("cuda", 0)).page_size == DEFAULT_PAGE_SIZE["cuda"] == 256
+    cuda = torch.device("cuda", 0)
+    assert config.for_device(cuda, torch.bfloat16, flash_attn=True).page_size == FLASH_PAGE_SIZE == 256
+    assert config.for_device(cuda, torch.bfloat16, flash_attn=False).page_size == DEFAULT_PAGE_SIZE["cuda"] == 16
+    assert config.for_device(cuda).page_size == DEFAULT_PAGE_SIZE["cuda"]  # flash-attn unknown: the SDPA path's page
     assert config.page_size is None  # the caller's object is not changed
     assert ContinuousBatchingConfig(page_size=64).for_device(torch.device("cpu")).page_size == 64
 

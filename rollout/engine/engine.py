@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import threading
@@ -24,6 +25,7 @@ from rollout.engine.sample.resolve import ResolvedSampling, resolve_sampling
 from rollout.engine.sample.rows import SampleRow
 from rollout.engine.sample.sampler import Sampler
 from rollout.engine.sample.structured_output import GrammarCompiler
+from rollout.engine.worker import flash_backend
 from rollout.engine.worker.compiled_forward import build_compiled_forward
 from rollout.engine.worker.kv_cache import KVShape, PagedKVCache
 from rollout.engine.worker.model_runner import ModelRunner
@@ -74,12 +76,13 @@ class LLMEngine:
 
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
-        self.config = (config or ContinuousBatchingConfig()).for_device(device)
+        self.config = (config or ContinuousBatchingConfig()).for_device(device, dtype, flash_backend.HAVE_FLASH)
         shape = KVShape.from_config(model.config)
         page = self.config.page_size
-        num_blocks = self.config.resolve_num_blocks(shape.bytes_per_token(dtype) * page, device, tokens_hint)
-        self.sliding_window = uses_sliding_window(model.config)
         batch_tokens = self.config.resolve_batch_tokens(device)
+        num_blocks = self.config.resolve_num_blocks(shape.bytes_per_token(dtype) * page, device, tokens_hint,
+                                                    batch_tokens, self.vocab_size)
+        self.sliding_window = uses_sliding_window(model.config)
         max_requests = self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS
         compiled = build_compiled_forward(self.config, device, batch_tokens)
         self.cache = PagedKVCache(shape, num_blocks, page, dtype, device, scratch_page=compiled is not None)
@@ -100,7 +103,6 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._auto_ids = itertools.count()
         self.counters = dict(steps=0, forward_errors=0, peak_used_blocks=0)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, page, self.cache.nbytes / 2**20)
 
     # ------------------------------------------------------------------ weights
     @property
@@ -219,23 +221,23 @@ class LLMEngine:
             return self.scheduler.take_outputs()
         self.counters["steps"] += 1
         self.counters["peak_used_blocks"] = max(self.counters["peak_used_blocks"], self.pool.num_used)
-        try:
+        try:  # a failed forward or draw fails this step's requests; the engine keeps serving
             logits = self.runner.run(plan)
             prompt_records: list[prompt_logprobs.PromptLogprobs] = []
             if plan.prompt_rows:
                 logits, prompt_records = prompt_logprobs.compute(plan.prompt_rows, plan.requests, logits,
                                                                  len(plan.sample_rows))
-        except Exception as err:  # a forward error fails this step's requests; the engine keeps serving
-            logger.exception("model forward failed; failing the %d requests of this step", len(plan))
+            if len(plan.logit_rows) != logits.shape[0] or plan.logit_rows != list(range(len(plan.logit_rows))):
+                logits = logits[torch.tensor(plan.logit_rows, dtype=torch.long, device=logits.device)]
+            sampled = self.sampler.sample(logits, [SampleRow(m.sampling, m.tokens, m.num_generated, m.grammar)
+                                                   for m in plan.sampled])
+        except Exception as err:
+            logger.exception("the step's forward or sampling failed; failing the %d requests of this step", len(plan))
             self.counters["forward_errors"] += 1
             h = self.health
             self.health = EngineHealth(h.consecutive_failures + 1, repr(err), time.time(), h.last_success_time)
             return self.scheduler.fail_step(plan, repr(err))
         self.health = EngineHealth(0, self.health.last_error, self.health.last_error_time, time.time())
-        if len(plan.logit_rows) != logits.shape[0] or plan.logit_rows != list(range(len(plan.logit_rows))):
-            logits = logits[torch.tensor(plan.logit_rows, dtype=torch.long)]
-        sampled = self.sampler.sample(logits, [SampleRow(m.sampling, m.tokens, m.num_generated, m.grammar)
-                                               for m in plan.sampled])
         return self.scheduler.update(plan, sampled, self.weight_version, prompt_records)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -260,6 +262,15 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Queues and block pool consistency (used by tests)."""
         self.scheduler.check_invariants()
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Called once the last reference to an engine is dropped: on CUDA its KV cache goes back from torch's caching
+    allocator to the driver, so a trainer on the same GPU (or another process) can use it. A compiled forward leaves
+    a reference cycle to the cache, collected first; on CPU the next automatic collection frees it."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _safe_list(prompt_ids) -> list:

@@ -62,13 +62,15 @@ class RolloutGenerator:
 
     share_weights=True generates from `model` itself (zero copy; train it freely between calls: its attention
     implementation and train/eval mode are left as they were). Otherwise a private copy is kept, optionally in
-    another dtype, and refreshed with `update_weights`.
+    another dtype, and refreshed with `update_weights`. `tokens_hint`: the KV tokens the workload holds at once
+    (prompts in flight x group size x (longest prompt + max_new_tokens)), to size the cache for it rather than by
+    the device's default budget (see ContinuousBatchingConfig for both).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None, share_weights: bool = False,
                  dtype: torch.dtype | None = None, generation_config: GenerationConfig | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, tokens_hint: int | None = None) -> None:
         if share_weights and dtype is not None and dtype != next(model.parameters()).dtype:
             raise ValueError("share_weights=True generates from the trainer's own tensors; a different dtype needs a "
                              "copy: pass share_weights=False")
@@ -76,7 +78,8 @@ class RolloutGenerator:
         self.model = model if share_weights else generation_copy(model, dtype)
         config = dataclasses.replace(continuous_batching_config or ContinuousBatchingConfig(), return_logprobs=True)
         gen_config = generation_config or getattr(model, "generation_config", None)
-        self.manager = ContinuousBatchingManager(self.model, gen_config, config, tokenizer=tokenizer)
+        self.manager = ContinuousBatchingManager(self.model, gen_config, config, tokenizer=tokenizer,
+                                                 tokens_hint=tokens_hint)
         self.calls = EngineCalls(self.manager, tokenizer)  # what generate, run_episodes and score share
         self._rng = random.Random(seed if seed is not None else config.seed)
         self.last_update_seconds = 0.0
