@@ -8,6 +8,10 @@ them; rows whose requests use none are never touched, and a batch where no reque
 A request's own processor that raises, returns something that is not a logits row, or leaves no token to sample fails
 that request alone (the error names the processor), never the step.
 
+Index tensors are built on the host, where the requests' token ids are, and copied to the logits' device without
+waiting on it; masks are scattered there, so no rows x vocab tensor is ever built on the host. Which rows a mask left
+nothing to sample is only read with the step's results (`ProcessedLogits.dead`): no sync of its own.
+
 The logprob identity `logprobs = policy_logprobs - kept_logmass` holds under masking processors (allowed ids, bad
 words, min new tokens, grammars, or a processor of your own that only sets -inf): the sampled distribution is then the
 policy restricted to the kept tokens, renormalised. Repetition penalty, logit bias and processors that change values
@@ -28,6 +32,15 @@ from rollout.engine.sample.rows import SampleRow
 from rollout.engine.sample.structured_output import GrammarMasker
 
 _NEG_INF = float("-inf")
+_DEAD_ROW = ("its logits processors left no token to sample (every token was masked, or a processor produced NaN or "
+             "+inf); loosen allowed_token_ids / bad_words_ids / min_new_tokens or the structured-output spec")
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`. The copy is queued without waiting: a blocking host-to-device copy
+    synchronises with the device's stream (the source is pageable memory, which the driver stages before returning,
+    so it may be freed at once)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 # ------------------------------------------------------------------------------------------------- applying
 
@@ -40,6 +53,14 @@ class ProcessedLogits:
     touched: list[int] = field(default_factory=list)  # rows any processor ran on (the others are the input's)
     narrowed: list[int] = field(default_factory=list)  # rows a mask may have narrowed: kept_logmass covers them
     errors: dict[int, str] = field(default_factory=dict)  # rows whose request fails, with why
+    checked: list[int] = field(default_factory=list)  # rows `dead` flags
+    dead: torch.Tensor | None = None  # on the device, per checked row: nothing left to sample (see _fail_dead_rows)
+
+    def fail_dead(self, dead: Sequence[bool]) -> None:
+        """Fail the checked rows whose flag in `dead` (the flags, read on the host) is set."""
+        for row, is_dead in zip(self.checked, dead):
+            if is_dead:
+                self.errors[row] = _DEAD_ROW
 
 
 def apply_processors(logits: torch.Tensor, rows: Sequence[SampleRow],
@@ -65,28 +86,31 @@ def apply_processors(logits: torch.Tensor, rows: Sequence[SampleRow],
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return to_device(rows, torch.long, device)
 
 
 def _owners(rows: list[int], parts: list[torch.Tensor]) -> torch.Tensor:
-    """The row each element of `torch.cat(parts)` belongs to."""
+    """The row each element of `torch.cat(parts)` belongs to (on the host, like the parts)."""
     return torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), torch.tensor([len(p) for p in parts]))
 
 
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=True)
+
+
 def _repetition_penalty(out: torch.Tensor, rows: Sequence[SampleRow], active: list[int]) -> None:
-    """transformers' RepetitionPenaltyLogitsProcessor over prompt + generated tokens, for all penalised rows at once."""
+    """transformers' RepetitionPenaltyLogitsProcessor over prompt + generated tokens, for all penalised rows at once:
+    the scores of the tokens each row has seen are read, penalised and written back, never a rows x vocab mask. A
+    token seen twice is written twice with the same value."""
     sel = [i for i in active if rows[i].sampling.repetition_penalty != 1.0]
     if not sel:
         return
     history = [torch.as_tensor(rows[i].tokens, dtype=torch.long) for i in sel]
-    seen = torch.zeros(len(sel), out.shape[1], dtype=torch.bool)
-    seen[_owners(list(range(len(sel))), history), torch.cat(history)] = True
-    penalty = torch.tensor([rows[i].sampling.repetition_penalty for i in sel], dtype=out.dtype,
-                           device=out.device)[:, None]
-    idx = _index(sel, out.device)
-    scores = out[idx]
-    penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
-    out[idx] = torch.where(seen.to(out.device), penalised, scores)
+    local = _owners(list(range(len(sel))), history)  # each history token's place in `sel`
+    penalty = torch.tensor([rows[i].sampling.repetition_penalty for i in sel], dtype=out.dtype)[local]
+    at = (_moved(torch.tensor(sel, dtype=torch.long)[local], out.device), _moved(torch.cat(history), out.device))
+    penalty, scores = _moved(penalty, out.device), out[at]
+    out[at] = torch.where(scores > 0, scores / penalty, scores * penalty)
 
 
 def _add_logit_bias(out: torch.Tensor, rows: Sequence[SampleRow], active: list[int]) -> None:
@@ -95,13 +119,14 @@ def _add_logit_bias(out: torch.Tensor, rows: Sequence[SampleRow], active: list[i
     if not sel:
         return
     ids = [rows[i].sampling.processors.bias_ids for i in sel]
-    values = torch.cat([rows[i].sampling.processors.bias_values for i in sel]).to(out.device, out.dtype)
-    out.index_put_((_owners(sel, ids).to(out.device), torch.cat(ids).to(out.device)), values, accumulate=True)
+    values = _moved(torch.cat([rows[i].sampling.processors.bias_values for i in sel]).to(out.dtype), out.device)
+    out.index_put_((_moved(_owners(sel, ids), out.device), _moved(torch.cat(ids), out.device)), values,
+                   accumulate=True)
 
 
 def _apply_masks(result: ProcessedLogits, rows: Sequence[SampleRow], active: list[int]) -> None:
-    """Allowed ids, one-token bad words, completed multi-token bad words and the min-new-tokens stop mask: one
-    masked_fill for the allow-lists and one index_put of -inf for everything banned."""
+    """Allowed ids, one-token bad words, completed multi-token bad words and the min-new-tokens stop mask: the
+    allow-listed rows rebuilt from -inf and their allowed scores, and one index_put of -inf for everything banned."""
     out = result.logits
     banned_rows: list[int] = []
     banned: list[torch.Tensor] = []
@@ -130,18 +155,21 @@ def _apply_masks(result: ProcessedLogits, rows: Sequence[SampleRow], active: lis
             banned_rows.extend(owners)
             banned.extend(t[None] for t in targets)
     if allow_rows:
-        allow = torch.zeros(len(allow_rows), out.shape[1], dtype=torch.bool)
-        allow[_owners(list(range(len(allow_rows))), allowed), torch.cat(allowed)] = True
-        idx = _index(allow_rows, out.device)
-        out[idx] = out[idx].masked_fill(~allow.to(out.device), _NEG_INF)
+        local = _owners(list(range(len(allow_rows))), allowed)
+        ids = _moved(torch.cat(allowed), out.device)
+        scores = out[_moved(torch.tensor(allow_rows, dtype=torch.long)[local], out.device), ids]
+        masked = torch.full((len(allow_rows), out.shape[1]), _NEG_INF, dtype=out.dtype, device=out.device)
+        masked[_moved(local, out.device), ids] = scores
+        out[_index(allow_rows, out.device)] = masked
     if banned:
-        out[_owners(banned_rows, banned).to(out.device), torch.cat(banned).to(out.device)] = _NEG_INF
+        out[_moved(_owners(banned_rows, banned), out.device), _moved(torch.cat(banned), out.device)] = _NEG_INF
     result.narrowed.extend(sorted(set(banned_rows) | set(allow_rows)))
 
 
 def _completed_bad_words(rows: Sequence[SampleRow], sel: list[int]) -> tuple[list[int], torch.Tensor]:
     """(row, token) for each multi-token bad word whose prefix ends the row's tokens (prompt included, as in
-    transformers' NoBadWordsLogitsProcessor): every word of every row compared in one tensor operation."""
+    transformers' NoBadWordsLogitsProcessor): every word of every row compared in one tensor operation, on the host,
+    where the words and the tokens are (on the device, reading the hits back would be a sync)."""
     tables = [rows[i].sampling.processors.bad_prefixes for i in sel]
     longest = max(t.shape[1] for t in tables)
     prefixes = torch.cat([F.pad(t, (longest - t.shape[1], 0), value=PAD_ID) for t in tables])
@@ -180,7 +208,7 @@ def _run_custom(result: ProcessedLogits, rows: Sequence[SampleRow], members: lis
     try:
         if isinstance(proc, LogitsProcessor):
             idx = _index(members, out.device)
-            ids = torch.tensor([rows[i].tokens for i in members], dtype=torch.long, device=out.device)
+            ids = to_device([rows[i].tokens for i in members], torch.long, out.device)
             out[idx] = _checked(proc(ids, out[idx]), (len(members), out.shape[1]))
         else:
             (i,) = members
@@ -202,17 +230,15 @@ def _checked(value, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _fail_dead_rows(result: ProcessedLogits, logits: torch.Tensor) -> None:
-    """Rows a mask or a processor left with nothing to sample (or with NaN / +inf) fail; failed rows get their raw
-    logits back, so the draw that follows stays well defined (its token is discarded). One max per row finds them:
-    it is -inf for a fully masked row, NaN if any entry is, +inf if any entry is."""
-    checked = sorted(set(result.narrowed) - set(result.errors))
-    if checked:
-        top = result.logits[_index(checked, logits.device)].amax(dim=-1)
-        bad = ~(top > _NEG_INF) | (top == float("inf"))
-        for j in bad.nonzero().flatten().tolist():
-            result.errors[checked[j]] = (
-                "its logits processors left no token to sample (every token was masked, or a processor produced NaN "
-                "or +inf); loosen allowed_token_ids / bad_words_ids / min_new_tokens or the structured-output spec")
+    """Rows whose own processor failed get their raw logits back, so the draw that follows stays well defined (its
+    token is discarded). Rows a mask or a processor left with nothing to sample (or with NaN / +inf) are flagged on
+    the device (`result.dead`, one max per row: -inf for a fully masked row, NaN if any entry is, +inf if any entry
+    is) and fail once the sampler reads the flags with the step's results; they are sampled as they are, which
+    disturbs no other row (every operation of the sampler is row by row), and their token is discarded."""
     if result.errors:
         failed = _index(sorted(result.errors), logits.device)
         result.logits[failed] = logits[failed]
+    checked = sorted(set(result.narrowed) - set(result.errors))
+    if checked:
+        top = result.logits[_index(checked, logits.device)].amax(dim=-1)
+        result.checked, result.dead = checked, ~(top > _NEG_INF) | (top == float("inf"))

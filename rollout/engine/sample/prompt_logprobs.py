@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from rollout.engine.sample.resolve import ResolvedSampling
+from rollout.engine.sample.sampler import host_lists
 from rollout.engine.sample.top_logprobs import top_dicts
 
 ROWS_PER_SLICE = 256  # logit rows converted to fp32 at a time: bounds the extra memory of a long prefill chunk
@@ -50,22 +51,33 @@ class PromptLogprobs:
 def compute(prompt_rows: Sequence[tuple[int, int, int]], requests: Sequence[PromptSource], logits: torch.Tensor,
             num_sample: int) -> tuple[torch.Tensor, list[PromptLogprobs]]:
     """Split the runner's `logits` into the sampling rows and the prompt rows after them (`StepPlan.prompt_rows`
-    items `(entry, first, count)`), and the prompt logprobs those give."""
-    row, out = num_sample, []
+    items `(entry, first, count)`), and the prompt logprobs those give. Every request's numbers are read on the host
+    together, after the last slice: one sync on an accelerator, not one per request and slice."""
+    row, reads, asked = num_sample, [], []
     for entry, first, count in prompt_rows:
         sampling = requests[entry].sampling
         targets = requests[entry].prompt_ids[first + 1:first + 1 + count]
-        values: list[float] = []
-        top: list[dict[int, float]] | None = [] if sampling.prompt_logprobs else None
+        wants_top = bool(sampling.prompt_logprobs)
         for start in range(0, count, ROWS_PER_SLICE):
             block = logits[row + start:row + min(count, start + ROWS_PER_SLICE)].float()
             if sampling.prompt_logprobs_temperature != 1.0:
                 block = block / sampling.prompt_logprobs_temperature
             logprobs = torch.log_softmax(block, dim=-1)
-            ids = torch.tensor(targets[start:start + len(block)], dtype=torch.long, device=logprobs.device)
-            values.extend(logprobs.gather(1, ids[:, None]).squeeze(1).tolist())
-            if top is not None:
-                top.extend(top_dicts(*torch.topk(logprobs, min(sampling.prompt_logprobs, logprobs.shape[1]), dim=-1)))
-        out.append(PromptLogprobs(entry, first, values, top))
+            ids = torch.tensor(targets[start:start + len(block)], dtype=torch.long).to(logprobs.device,
+                                                                                       non_blocking=True)
+            reads.append(logprobs.gather(1, ids[:, None]).squeeze(1))
+            if wants_top:
+                reads.extend(torch.topk(logprobs, min(sampling.prompt_logprobs, logprobs.shape[1]), dim=-1))
+        asked.append((entry, first, count, wants_top))
         row += count
+    host = iter(host_lists(reads) if reads else [])
+    out = []
+    for entry, first, count, wants_top in asked:  # the reads in the order they were queued
+        values: list[float] = []
+        top: list[dict[int, float]] | None = [] if wants_top else None
+        for _ in range(0, count, ROWS_PER_SLICE):
+            values.extend(next(host))
+            if top is not None:
+                top.extend(top_dicts(next(host), next(host)))
+        out.append(PromptLogprobs(entry, first, values, top))
     return logits[:num_sample], out

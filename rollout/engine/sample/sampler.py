@@ -11,21 +11,53 @@ Per token it returns `logprobs` (under the processed, truncated, renormalised di
 recomputes) and `kept_logmass` (log of the policy mass that masks and truncation kept), so logprobs = policy_logprobs
 - kept_logmass whenever the processors only mask. A row whose processors fail is reported in `errors` instead.
 Rows that ask for `logprobs=k` also get top-k alternatives and the raw logprob (see top_logprobs.py).
+
+The logits may live on any device. Per-row settings are decided in Python and copied over without waiting on the
+device, and everything the host reads of a step (tokens, logprobs, alternatives, which rows' processors left nothing)
+comes back in one `to_host` call: on an accelerator, the step's only sync.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from rollout.engine.sample.logits_processors import apply_processors
+from rollout.engine.sample.logits_processors import apply_processors, to_device
 from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.engine.sample.rows import SampleResult, SampleRow
 from rollout.engine.sample.structured_output import GrammarMasker
-from rollout.engine.sample.top_logprobs import token_alternatives
+from rollout.engine.sample.top_logprobs import ask_alternatives, read_alternatives
 from rollout.seeding import SeedStream, derive_seed
 
 _NEG_INF = float("-inf")
+
+
+def to_host(buffer: torch.Tensor) -> torch.Tensor:
+    """The one device-to-host copy of a step, and so its one sync: every host read of the sampler (and of prompt
+    logprobs) passes here, which lets a test count them."""
+    return buffer.cpu()
+
+
+def host_lists(tensors: Sequence[torch.Tensor]) -> list[list]:
+    """Each tensor as (nested) Python lists, of its own dtype. On the CPU that costs nothing and is done directly;
+    elsewhere they share one `to_host` call, packed into one float64 buffer (exact for token ids, fp32 values and
+    flags), so reading them syncs once instead of once per tensor."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.tolist() for t in tensors]
+    return unpack(to_host(pack(tensors)), tensors)
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tensors` flattened into one float64 buffer, in order, on their device."""
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+
+
+def unpack(host: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[list]:
+    """`host`, a copy of `pack(tensors)`, split back into lists of each tensor's shape and dtype."""
+    parts = host.split([t.numel() for t in tensors])
+    return [part.view(t.shape).to(t.dtype).tolist() for part, t in zip(parts, tensors)]
 
 
 def keyed_uniforms(keys: list[int]) -> np.ndarray:
@@ -54,11 +86,14 @@ class Sampler:
         num_rows = logits.shape[0]
         if num_rows == 0:
             return SampleResult([], [], [], [])
+        device = logits.device
         params = [r.sampling for r in rows]
-        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
-        temps = torch.tensor([1.0 if p.greedy or p.temperature == 0 else p.temperature for p in params])[:, None]
+        temperatures = [1.0 if p.greedy or p.temperature == 0 else p.temperature for p in params]
+        greedy_rows = [p.greedy for p in params]
+        greedy = to_device(greedy_rows, torch.bool, device) if any(greedy_rows) else None
 
-        unit = bool((temps == 1.0).all())
+        unit = all(t == 1.0 for t in temperatures)
+        temps = None if unit else to_device(temperatures, torch.float32, device)[:, None]
         policy = torch.log_softmax(logits if unit else logits / temps, dim=-1)
         processed = apply_processors(logits, rows, self.grammar)
         scaled = processed.logits if unit else processed.logits / temps
@@ -68,7 +103,7 @@ class Sampler:
         elif len(processed.touched) == num_rows:
             sample_lp = torch.log_softmax(scaled, dim=-1)
         elif processed.touched:  # only the processed rows differ from the policy
-            idx = torch.tensor(processed.touched, device=logits.device)
+            idx = to_device(processed.touched, torch.long, device)
             sample_lp = policy.index_copy(0, idx, torch.log_softmax(scaled[idx], dim=-1))
         else:
             sample_lp = policy  # nothing touched: the policy is what gets sampled
@@ -78,12 +113,19 @@ class Sampler:
         logprobs = sample_lp.gather(1, idx).squeeze(1)
         policy_lp = policy.gather(1, idx).squeeze(1)
         kept = self._kept_logmass(policy, sample_lp, params, processed.narrowed, keep is not None)
-        # Greedy samples a point mass: logprob 0, and the kept mass is the chosen token's policy probability.
-        logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
-        kept = torch.where(greedy, policy_lp, kept)
-        alternatives = token_alternatives(logits, policy, sample_lp, tokens, rows, temps)
-        return SampleResult(tokens.tolist(), logprobs.tolist(), policy_lp.tolist(), kept.tolist(), processed.errors,
-                            alternatives)
+        if greedy is not None:
+            # Greedy samples a point mass: logprob 0, and the kept mass is the chosen token's policy probability.
+            logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
+            kept = torch.where(greedy, policy_lp, kept)
+        asked = ask_alternatives(logits, policy, sample_lp, tokens, rows, temperatures)
+        reads = [tokens, logprobs, policy_lp, kept]
+        if processed.dead is not None:
+            reads.append(processed.dead)
+        host = host_lists(reads + (asked.tensors if asked is not None else []))
+        if processed.dead is not None:
+            processed.fail_dead(host[4])
+        alternatives = read_alternatives(asked, host[len(reads):], host[0], rows) if asked is not None else {}
+        return SampleResult(host[0], host[1], host[2], host[3], processed.errors, alternatives)
 
     @staticmethod
     def _kept_logmass(policy: torch.Tensor, sample_lp: torch.Tensor, params: list[ResolvedSampling],
@@ -95,7 +137,7 @@ class Sampler:
         if len(rows) == len(params):
             kept = torch.logsumexp(policy.masked_fill(torch.isinf(sample_lp), _NEG_INF), dim=-1)
         elif rows:
-            idx = torch.tensor(sorted(rows), device=policy.device)
+            idx = to_device(sorted(rows), torch.long, policy.device)
             kept[idx] = torch.logsumexp(policy[idx].masked_fill(torch.isinf(sample_lp[idx]), _NEG_INF), dim=-1)
         return kept
 
@@ -104,32 +146,36 @@ class Sampler:
         """Tokens each row keeps after top-k, top-p (on the top-k survivors) and min-p; None if nobody truncates."""
         if not any(p.truncates and not p.greedy for p in params):
             return None
-        vocab = scaled.shape[1]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params])
-        top_p = torch.tensor([p.top_p if not p.greedy else 1.0 for p in params])
-        min_p = torch.tensor([p.min_p if not p.greedy else 0.0 for p in params])
+        vocab, device = scaled.shape[1], scaled.device
+        min_ps = [p.min_p if not p.greedy else 0.0 for p in params]
+        top_k = to_device([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], torch.long,
+                          device)
+        top_p = to_device([p.top_p if not p.greedy else 1.0 for p in params], torch.float32, device)
 
         sorted_vals, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
+        ranks = torch.arange(vocab, device=device)[None, :]
         kth = sorted_vals.gather(1, (top_k - 1)[:, None])
         keep_sorted = sorted_vals >= kth  # ties with the k-th value are kept, as in transformers
         probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
         keep_sorted &= (before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1.0)
-        if bool((min_p > 0).any()):
+        if any(m > 0 for m in min_ps):
+            min_p = to_device(min_ps, torch.float32, device)
             probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
             keep_sorted &= (probs >= min_p[:, None] * probs[:, :1]) | (ranks == 0)
         return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
 
     # ------------------------------------------------------------------ drawing
-    def _draw(self, sample_lp: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor) -> torch.Tensor:
+    def _draw(self, sample_lp: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor | None) -> torch.Tensor:
         """Inverse-CDF sampling with one uniform per row: the first token whose cumulative probability exceeds u.
 
         A seeded row draws u from a counter-based generator keyed by (seed, position), so its token depends on nothing
         else in the batch. One uniform per row (not one per vocabulary entry) keeps the cost of randomness negligible.
+        The uniforms are drawn on the host (unseeded ones from the CPU generator, whatever the device), so the stream of
+        draws is the same on every device, and copied over once. `greedy` flags the greedy rows, None if none is.
         """
         num_rows = sample_lp.shape[0]
-        if bool(greedy.all()):
+        if all(r.sampling.greedy for r in rows):
             return torch.argmax(sample_lp, dim=-1)
         uniforms = torch.zeros(num_rows, dtype=torch.float64)
         unseeded = [i for i, r in enumerate(rows) if r.sampling.seed is None and not r.sampling.greedy]
@@ -139,11 +185,12 @@ class Sampler:
         if seeded:
             keys = [derive_seed(rows[i].sampling.seed, len(rows[i].tokens), SeedStream.NOISE) for i in seeded]
             uniforms[seeded] = torch.from_numpy(keyed_uniforms(keys))
+        uniforms = uniforms.to(sample_lp.device, non_blocking=True)
         cdf = sample_lp.exp().cumsum(dim=-1, dtype=torch.float64)
         threshold = uniforms[:, None] * cdf[:, -1:]  # scaled by the row's total: robust to rounding in the sum
         drawn = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
         # u * total < total, so a token is always found; the clamp only guards the last ulp.
         drawn = drawn.clamp_max(sample_lp.shape[1] - 1)
-        if bool(greedy.any()):
+        if greedy is not None:
             drawn = torch.where(greedy, torch.argmax(sample_lp, dim=-1), drawn)
         return drawn

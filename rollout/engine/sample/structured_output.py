@@ -4,8 +4,9 @@ xgrammar (an optional dependency, imported on first use) compiles a spec against
 distinct spec (`GrammarCompiler` keeps an LRU cache, so n samples and repeated requests share one compilation). Each
 sequence owns a matcher (`GrammarState`) that advances with every token the scheduler accepts. Each step the sampler
 fills the token bitmasks of all constrained rows in one call and applies them to the logits in place
-(`GrammarMasker`; on CUDA the bitmask is copied over and applied by xgrammar's kernel). A sequence ends with "stop" as
-soon as its grammar is complete and nothing but a stop token may follow, without spending a step on that token.
+(`GrammarMasker`; on CUDA the bitmask is copied over from pinned memory and applied by xgrammar's kernel). A sequence
+ends with "stop" as soon as its grammar is complete and nothing but a stop token may follow, without spending a step
+on that token.
 
 Preemption and recompute keep a sequence's tokens (only its KV is recomputed), so its matcher keeps its state; before
 each fill the matcher is synced to the sequence's generated tokens, and rolled back if it is ahead of them.
@@ -205,7 +206,9 @@ class GrammarMasker:
 
     def __init__(self) -> None:
         self._bitmask: torch.Tensor | None = None
-        self._batch = None
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made on the first step with several constrained rows
+        self._pinned = False
+        self._copied = None  # torch.cuda.Event: the last copy of the pinned buffer to the GPU
 
     def apply(self, logits: torch.Tensor, states: list[GrammarState], rows: list[int],
               num_generated: list[int]) -> None:
@@ -214,13 +217,33 @@ class GrammarMasker:
         for state, count in zip(states, num_generated):
             state.sync(count)
         num_rows, vocab = logits.shape
-        if self._bitmask is None or self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != -(-vocab // 32):
-            self._bitmask = xgr.allocate_token_bitmask(num_rows, vocab)  # rows indexed like the logits
+        on_cuda = logits.device.type == "cuda"
+        bitmask = self.buffer(num_rows, vocab, pinned=on_cuda)
         if len(states) == 1:
-            states[0].matcher.fill_next_token_bitmask(self._bitmask, rows[0])
+            states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
         else:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], self._bitmask, rows)
-        bitmask = self._bitmask if logits.device.type == "cpu" else self._bitmask.to(logits.device, non_blocking=True)
+            self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=on_cuda)
+            if on_cuda:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+
+    def buffer(self, num_rows: int, vocab: int, pinned: bool) -> torch.Tensor:
+        """The host bitmask to fill, rows indexed like the logits, reused while it fits. For a GPU it is page-locked,
+        so the copy over is a DMA queued behind the step's work (from pageable memory the driver first stages it in a
+        buffer of its own); as that copy may still be in flight, a refill first waits for it (in practice long done:
+        the step's results were read since). A buffer dropped mid-copy is safe: torch's pinned-memory cache keeps it
+        until its copies finish."""
+        xgr = require_xgrammar()
+        words = -(-vocab // 32)
+        b = self._bitmask
+        if b is None or b.shape[0] < num_rows or b.shape[1] != words or self._pinned != pinned:
+            b = xgr.allocate_token_bitmask(num_rows, vocab)
+            self._bitmask, self._pinned, self._copied = (b.pin_memory() if pinned else b), pinned, None
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._bitmask

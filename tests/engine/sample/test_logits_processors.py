@@ -57,7 +57,10 @@ def hf_processed(row: SampleRow, logits_row: torch.Tensor, settings: dict) -> to
     ids = torch.tensor([row.tokens])
     scores = logits_row[None].clone()
     if settings.get("bad_words_ids"):
-        scores = NoBadWordsLogitsProcessor(settings["bad_words_ids"])(ids, scores)
+        # One token that matches nothing in front: transformers 5.17 and older skip a bad word as long as the whole
+        # context, whose prefix would match all of it (tokens [30, 9] and the word [30, 9, 50] must mask 50).
+        padded = torch.tensor([[-1] + row.tokens])
+        scores = NoBadWordsLogitsProcessor(settings["bad_words_ids"])(padded, scores)
     if settings.get("min_new_tokens"):
         prompt_len = len(row.tokens) - row.num_generated
         scores = MinNewTokensLengthLogitsProcessor(prompt_len, settings["min_new_tokens"],
@@ -66,7 +69,8 @@ def hf_processed(row: SampleRow, logits_row: torch.Tensor, settings: dict) -> to
         allowed = settings["allowed_token_ids"]
         scores = PrefixConstrainedLogitsProcessor(lambda batch, sent: allowed, 1)(ids, scores)
     if settings.get("logit_bias"):
-        bias = [[[tok], value] for tok, value in settings["logit_bias"].items()]
+        # the dict form: the list form ([[[0], bias]]) rejects token id 0 in transformers 5.17 and older
+        bias = {(tok,): float(value) for tok, value in settings["logit_bias"].items()}
         scores = SequenceBiasLogitsProcessor(bias)(ids, scores)
     return scores[0]
 
