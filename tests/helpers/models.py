@@ -76,7 +76,9 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, tie_gap: flo
     """
     if force_length:
         generate_kwargs.setdefault("min_new_tokens", max_new_tokens)
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    device = next(model.parameters()).device  # the inputs go where the model is (CUDA too)
+    out = model.generate(torch.tensor([prompt], device=device),
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                          max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
                          return_dict_in_generate=True, pad_token_id=0, **generate_kwargs)
     tokens = out.sequences[0, len(prompt):].tolist()
@@ -95,7 +97,8 @@ def perturbed(model, seed: int = 1, scale: float = 0.05):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(1e-3))
+            # drawn on the CPU (the same nudges whatever the device), then moved to the weight
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * scale * p.abs().mean().clamp_min(1e-3))
     return new
 
 
