@@ -44,3 +44,25 @@ class DeviceMixChecker(TorchFunctionMode):
             if len(devices) > 1:
                 raise DeviceMixError(f"{name} mixes tensors on {sorted(str(d) for d in devices)}")
         return func(*args, **(kwargs or {}))
+
+
+class HostToDeviceCounter(TorchFunctionMode):
+    """Record every copy of host data onto another device: `.to`/`.cuda` of a CPU tensor, `copy_` from one, and
+    `torch.tensor`/`as_tensor`/`new_tensor` built off the CPU. On CUDA each is a transfer of its own (a blocking one
+    from pageable memory), so a test can hold a step to a fixed number. `moves` lists `(call, shape)`."""
+
+    _FROM_HOST = frozenset({"tensor", "as_tensor", "asarray", "new_tensor"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", str(func))
+        source = args[1] if name == "copy_" else args[0] if args else None
+        from_host = name in self._FROM_HOST or (
+            name in ("to", "cuda", "copy_") and isinstance(source, torch.Tensor) and source.device.type == "cpu")
+        if from_host and isinstance(out, torch.Tensor) and out.device.type != "cpu":
+            self.moves.append((name, tuple(out.shape)))
+        return out

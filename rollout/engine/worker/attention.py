@@ -7,8 +7,11 @@ CPU: by default one call of the C kernel in cpu/kernel.py per layer attends ever
 the pages (no gather). PyTorch path (no compiler, fp16, or `ROLLOUT_CPU_KERNEL=0`): decode rows (one query token
 each) are sorted by context length and attended in a few buckets, each against a gather of its rows' own KV blocks
 (whole pages are gathered with one `index_select`, far cheaper than a per-token gather); each prefill chunk is
-attended alone with a causal offset mask. The cost grows with each request's own context, never with a dense
-block-diagonal mask over the whole batch. On CUDA with flash-attn installed,
+attended alone with a causal offset mask, or, off the CPU, with chunks of similar size in one padded call (fewer
+kernel launches per layer). The cost grows with each request's own context, never with a dense block-diagonal mask
+over the whole batch. A kv head's query heads are folded into its query rows (`_fold_heads`) rather than passed with
+`enable_gqa`, which CUDA serves with a fused kernel only when there is no mask. The runner builds every size a layer
+needs on the host, so the forward never reads a value back from the device. On CUDA with flash-attn installed,
 `flash_backend.py` provides the varlen and kv-cache kernels behind the same seam.
 
 Compiled forward (compiled_forward.py): the step's metadata arrives as tensors (`rollout_step`, a StepTensors) and
@@ -23,7 +26,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +51,20 @@ def _positions_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
 @dataclass
 class DecodeBucket:
     """One-token rows of similar context length, attended together: rows `tokens` of the packed batch read the
-    blocks `blocks` (`[rows * blocks_per_row]`, row-major) and `lens` keys each."""
+    blocks `blocks` (`[rows * blocks_per_row]`, row-major) and `lens` keys each. `width`, the longest, is known
+    when the runner builds the step on the host, so no layer reads it back from the device."""
 
     tokens: torch.Tensor
     blocks: torch.Tensor
     lens: torch.Tensor
+    width: int
     _masks: dict = field(default_factory=dict)
+    TENSORS: ClassVar[tuple[str, ...]] = ("tokens", "blocks", "lens")  # what the runner sends to the device
 
-    def mask(self, width: int, window: int | None) -> torch.Tensor:
-        """[rows, 1, 1, width]: which gathered keys each row attends to."""
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, width]: which gathered keys each row attends to (broadcast over its query heads)."""
         if window not in self._masks:
-            pos = torch.arange(width, device=self.lens.device)[None, :]
+            pos = torch.arange(self.width, device=self.lens.device)[None, :]
             self._masks[window] = _positions_mask(self.lens[:, None] - 1, pos, window)[:, None, None, :]
         return self._masks[window]
 
@@ -73,20 +79,50 @@ class PrefillSegment:
     blocks: torch.Tensor
     ctx_len: int
     _masks: dict = field(default_factory=dict)
+    TENSORS: ClassVar[tuple[str, ...]] = ("blocks",)
 
     @property
     def query_len(self) -> int:
         return self.end - self.start
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """[q, ctx] causal mask offset to the chunk's place in its context; None when plain causal works."""
+    def mask(self, window: int | None, groups: int = 1) -> torch.Tensor | None:
+        """[groups * q, ctx] causal mask offset to the chunk's place in its context, repeated for the query heads
+        folded in by `_fold_heads`; None when plain causal works."""
         if self.ctx_len == self.query_len and window is None:
             return None
-        if window not in self._masks:
-            q_pos = torch.arange(self.ctx_len - self.query_len, self.ctx_len, device=self.blocks.device)[:, None]
+        if (window, groups) not in self._masks:
+            q_pos = torch.arange(self.ctx_len - self.query_len, self.ctx_len, device=self.blocks.device)
             k_pos = torch.arange(self.ctx_len, device=self.blocks.device)[None, :]
-            self._masks[window] = _positions_mask(q_pos, k_pos, window)
-        return self._masks[window]
+            self._masks[window, groups] = _positions_mask(q_pos.repeat(groups)[:, None], k_pos, window)
+        return self._masks[window, groups]
+
+
+@dataclass
+class PrefillGroup:
+    """Prefill chunks of several requests attended in one call, each padded to `q_len` queries and `width` keys:
+    padded query row `i` of chunk `s` is packed token `queries[s * q_len + i]` at position `positions[s, i]` of
+    its context (padding rows repeat a real token at position 0), and the chunk reads the blocks
+    `blocks[s * n:(s + 1) * n]`. Rows `rows` of the `[S * q_len]` padded rows are real; they fill packed tokens
+    `tokens`."""
+
+    queries: torch.Tensor
+    positions: torch.Tensor
+    blocks: torch.Tensor
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    q_len: int
+    width: int
+    _masks: dict = field(default_factory=dict)
+    TENSORS: ClassVar[tuple[str, ...]] = ("queries", "positions", "blocks", "rows", "tokens")
+
+    def mask(self, window: int | None, groups: int) -> torch.Tensor:
+        """[S, 1, groups * q_len, width]: which keys each padded query row sees (folded heads as in
+        PrefillSegment.mask); keys past a chunk's own context lie after all of its positions."""
+        if (window, groups) not in self._masks:
+            k_pos = torch.arange(self.width, device=self.positions.device)[None, None, :]
+            q_pos = self.positions.repeat(1, groups)[:, :, None]
+            self._masks[window, groups] = _positions_mask(q_pos, k_pos, window)[:, None]
+        return self._masks[window, groups]
 
 
 @dataclass
@@ -97,6 +133,7 @@ class AttentionBatch:
     slots: torch.Tensor  # [T] where each token's K/V is written
     decode: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
     flash: FlashBatch | None = None  # set when the flash-attn kernels serve this step (CUDA only)
     kernel: KernelBatch | None = None  # set when the CPU kernel serves this step
     scratch: GatherScratch | None = None
@@ -131,14 +168,30 @@ def _gather(pages: torch.Tensor, blocks: torch.Tensor, rows: int, width: int, sc
     return out.view(rows, -1, pages.shape[2], pages.shape[3])[:, :width].transpose(1, 2)
 
 
+def _fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`[B, H, q, D]` as `[B, KVH, groups * q, D]`: each kv head's query heads (transformers' GQA maps head h to kv
+    head h // groups) become query rows of that head, so SDPA needs no `enable_gqa`; a `[B, 1, 1, L]` mask
+    broadcasts over them, a chunk's mask is repeated per head (PrefillSegment.mask)."""
+    return q.reshape(q.shape[0], kv_heads, -1, q.shape[-1])
+
+
 def _attend(q, k, v, mask, scaling, softcap, is_causal=False):
-    """Grouped-query attention of q `[B, H, q, D]` over k, v `[B, KVH, L, D]`."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
-                                              scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    """Grouped-query attention of q `[B, H, q, D]` over k, v `[B, KVH, L, D]`.
+
+    Off the CPU, SDPA serves `enable_gqa` only with its flash kernel (no mask, half precision) and otherwise falls
+    back to the math kernel, so the eager path folds the heads of masked calls (`_fold_heads`) and K/V are
+    expanded here for what still arrives grouped. The CPU's flash kernel takes GQA with or without a mask."""
     groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
+    if softcap is None:
+        if groups > 1 and q.device.type != "cpu" and (mask is not None or q.dtype == torch.float32):
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+            groups = 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
+                                              scale=scaling, enable_gqa=groups > 1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
     scores = softcap * torch.tanh(scores / softcap)
     if mask is None and is_causal:
@@ -265,20 +318,36 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     k_pages = k_cache.view(-1, cache.page_size, *k_cache.shape[1:])
     v_pages = v_cache.view(-1, cache.page_size, *v_cache.shape[1:])
     q_all = query[0]  # [H, T, D]
-    out = torch.empty(q_all.shape[1], q_all.shape[0], q_all.shape[2], dtype=query.dtype, device=query.device)
+    heads, tokens, dim = q_all.shape
+    kv_heads = k_cache.shape[1]
+    groups = heads // kv_heads
+    out = torch.empty(tokens, heads, dim, dtype=query.dtype, device=query.device)
+    out_kv = out.view(tokens, kv_heads, groups, dim)  # the layout of folded query heads
     for bucket in batch.decode:
-        rows, width = len(bucket.tokens), int(bucket.lens.max())
+        rows = len(bucket.tokens)
         q = q_all.index_select(1, bucket.tokens).transpose(0, 1).unsqueeze(2)  # [rows, H, 1, D]
-        k = _gather(k_pages, bucket.blocks, rows, width, batch.scratch, 0).to(q.dtype)
-        v = _gather(v_pages, bucket.blocks, rows, width, batch.scratch, 1).to(q.dtype)
-        o = _attend(q, k, v, bucket.mask(width, window), scaling, softcap)
-        out.index_copy_(0, bucket.tokens, o.squeeze(2))
+        k = _gather(k_pages, bucket.blocks, rows, bucket.width, batch.scratch, 0).to(q.dtype)
+        v = _gather(v_pages, bucket.blocks, rows, bucket.width, batch.scratch, 1).to(q.dtype)
+        o = _attend(_fold_heads(q, kv_heads), k, v, bucket.mask(window), scaling, softcap)  # [rows, KVH, G, D]
+        out_kv.index_copy_(0, bucket.tokens, o)
     for seg in batch.prefills:
         q = q_all[:, seg.start:seg.end].unsqueeze(0)  # [1, H, q, D]
         k = _gather(k_pages, seg.blocks, 1, seg.ctx_len, batch.scratch, 0).to(q.dtype)
         v = _gather(v_pages, seg.blocks, 1, seg.ctx_len, batch.scratch, 1).to(q.dtype)
-        o = _attend(q, k, v, seg.mask(window), scaling, softcap, is_causal=True)
-        out[seg.start:seg.end] = o[0].transpose(0, 1)
+        mask = seg.mask(window, groups)
+        if mask is None:  # plain causal: SDPA's causal kernels
+            o = _attend(q, k, v, None, scaling, softcap, is_causal=True)
+        else:
+            o = _attend(_fold_heads(q, kv_heads), k, v, mask, scaling, softcap)
+        out[seg.start:seg.end] = o.reshape(heads, seg.query_len, dim).transpose(0, 1)
+    for group in batch.prefill_groups:
+        chunks, q_len = group.positions.shape
+        q = q_all.index_select(1, group.queries).view(heads, chunks, q_len, dim).transpose(0, 1)  # [S, H, q, D]
+        k = _gather(k_pages, group.blocks, chunks, group.width, batch.scratch, 0).to(q.dtype)
+        v = _gather(v_pages, group.blocks, chunks, group.width, batch.scratch, 1).to(q.dtype)
+        o = _attend(_fold_heads(q, kv_heads), k, v, group.mask(window, groups), scaling, softcap)
+        o = o.view(chunks, kv_heads, groups, q_len, dim).permute(0, 3, 1, 2, 4).reshape(-1, kv_heads, groups, dim)
+        out_kv.index_copy_(0, group.tokens, o.index_select(0, group.rows))
     return out.unsqueeze(0), None
 
 

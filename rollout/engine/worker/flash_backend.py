@@ -50,14 +50,22 @@ class FlashBatch:
         return self.max_query_len == 1
 
 
-def build_flash_batch(tables: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
-                      device: torch.device) -> FlashBatch:
-    cu_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+def flash_host_tensors(tables: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor
+                       ) -> list[torch.Tensor]:
+    """The kernels' metadata built on the host, int64 like the rest of the step it travels to the device with:
+    block tables, context lengths, and the query and key offsets."""
+    cu_q = torch.zeros(len(query_lens) + 1, dtype=torch.long)
     cu_q[1:] = torch.cumsum(query_lens, 0)
-    cu_k = torch.zeros(len(context_lens) + 1, dtype=torch.int32)
+    cu_k = torch.zeros(len(context_lens) + 1, dtype=torch.long)
     cu_k[1:] = torch.cumsum(context_lens, 0)
-    return FlashBatch(tables.to(device, torch.int32), context_lens.to(device, torch.int32), cu_q.to(device),
-                      cu_k.to(device), int(query_lens.max()), int(context_lens.max()))
+    return [tables, context_lens, cu_q, cu_k]
+
+
+def build_flash_batch(moved: list[torch.Tensor], query_lens: torch.Tensor, context_lens: torch.Tensor) -> FlashBatch:
+    """The FlashBatch of `flash_host_tensors` once on the device (cast there: no further copy from the host); the
+    two maxima are read from the host tensors."""
+    tables, lens, cu_q, cu_k = (t.to(torch.int32) for t in moved)
+    return FlashBatch(tables, lens, cu_q, cu_k, int(query_lens.max()), int(context_lens.max()))
 
 
 def flash_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: FlashBatch,

@@ -68,13 +68,25 @@ class PagedKVCache:
 
     def prepare(self, blocks: torch.Tensor) -> None:
         """Zero the blocks (CPU int tensor of ids) that have never been used, before a step reads them."""
+        fresh = self.take_fresh(blocks)
+        if fresh is not None:
+            self.zero_blocks(fresh.to(self.device))
+
+    def take_fresh(self, blocks: torch.Tensor) -> torch.Tensor | None:
+        """The never-used blocks among `blocks` (CPU ids; None if none), counted as zeroed from now on: the caller
+        zeroes them (`zero_blocks`) before the step reads them. Split from `prepare` so the model runner can send
+        the ids to the device with the rest of the step's metadata."""
         fresh = blocks[~self._ready[blocks]]
         if not len(fresh):
-            return
+            return None
         fresh = fresh.unique()
-        for cache in self.keys + self.values:
-            cache.view(-1, self.page_size, *cache.shape[1:]).index_fill_(0, fresh.to(cache.device), 0)
         self._ready[fresh] = True
+        return fresh
+
+    def zero_blocks(self, blocks: torch.Tensor) -> None:
+        """Zero whole blocks of every layer; `blocks` on the cache's device."""
+        for cache in self.keys + self.values:
+            cache.view(-1, self.page_size, *cache.shape[1:]).index_fill_(0, blocks, 0)
 
     @property
     def nbytes(self) -> int:
@@ -86,10 +98,13 @@ class PagedKVCache:
 
     def copy_block(self, src: int, dst: int, num_tokens: int | None = None) -> None:
         """Copy a block's contents (all layers) into another block: the copy-on-fork of a partial last block."""
-        self.prepare(torch.tensor([dst]))  # zero it now, or the next step's prepare() would wipe the copy
         n = self.page_size if num_tokens is None else num_tokens
         s, d = src * self.page_size, dst * self.page_size
+        fresh = not self._ready[dst]  # zero it now, or the next step's prepare() would wipe the copy
+        self._ready[dst] = True
         for cache in self.keys + self.values:
+            if fresh:
+                cache[d + n:d + self.page_size].zero_()  # a slice, not an index tensor: nothing to send
             cache[d:d + n].copy_(cache[s:s + n])
 
     def data_ptrs(self) -> list[int]:

@@ -1,7 +1,8 @@
 """Turns a StepPlan into tensors, runs one packed forward with the engine's attention, returns sampled-row logits.
 
 The forward runs eagerly, or through the compiled callables of compiled_forward.py (default_compile_level > 0), which
-take the same step as padded tensors (`build_step`)."""
+take the same step as padded tensors (`build_step`). A step's metadata is built on the host and reaches an
+accelerator in one copy (`_send`); on the CPU it is used where it was built."""
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ from rollout.engine.worker.attention import (
     AttentionBatch,
     DecodeBucket,
     GatherScratch,
+    PrefillGroup,
     PrefillSegment,
     StepTensors,
     engine_attention,
 )
 from rollout.engine.worker.compiled_forward import MIN_DIM, CompiledForward, CompiledPath, pad_to
-from rollout.engine.worker.flash_backend import build_flash_batch, flash_usable
+from rollout.engine.worker.flash_backend import build_flash_batch, flash_host_tensors, flash_usable
 from rollout.engine.worker.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,28 @@ def _length_buckets(rows: torch.Tensor, lens: torch.Tensor) -> list[torch.Tensor
     return list(rows.tensor_split(count))
 
 
+PREFILL_PADDING = 2  # a group of prefill chunks may do this many times its chunks' own work, padding included
+
+
+def _prefill_groups(chunks: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Prefill chunks `(row, query_len, context_len)` in groups attended by one call each, shortest contexts first:
+    a group grows while padding its chunks to its longest query and context keeps the work (queries x keys) within
+    PREFILL_PADDING of theirs. One call per group instead of per chunk saves each layer a few kernel launches per
+    request."""
+    groups: list[list[tuple[int, int, int]]] = []
+    work = max_q = max_ctx = 0
+    for chunk in sorted(chunks, key=lambda c: (c[2], c[1])):
+        _, q, ctx = chunk
+        size = len(groups[-1]) + 1 if groups else 1
+        if groups and size * max(max_q, q) * max(max_ctx, ctx) <= PREFILL_PADDING * (work + q * ctx):
+            groups[-1].append(chunk)
+            work, max_q, max_ctx = work + q * ctx, max(max_q, q), max(max_ctx, ctx)
+        else:
+            groups.append([chunk])
+            work, max_q, max_ctx = q * ctx, q, ctx
+    return groups
+
+
 class ModelRunner:
     """Owns nothing but the forward: the model is whatever module it was given (possibly the trainer's own)."""
 
@@ -99,6 +123,9 @@ class ModelRunner:
                              f"library built for this CPU (see the log for the reason); leave it None to fall back "
                              "automatically")
         self.scratch = GatherScratch()
+        # one padded call for several prefill chunks saves kernel launches on an accelerator; on the CPU the calls
+        # cost little and the padding more
+        self.group_prefills = cache.device.type != "cpu"
         if prepack_weights is None:
             prepack_weights = cache.device.type == "cpu" and packing_available()
         elif prepack_weights:
@@ -177,31 +204,53 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
         """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
-        dev, page = self.device, self.page_size
+        page = self.page_size
         query_lens, starts, offsets, row_of_token, positions = self._layout(plan)
         ends = starts + query_lens
 
         max_blocks = max(len(t) for t in plan.block_tables)
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in plan.block_tables], dtype=torch.long)
         slots = tables[row_of_token, positions // page] * page + positions % page
-        if not (self.use_kernel or self.use_flash):  # only page gathers read slots no token has written yet
-            self.cache.prepare(tables.flatten())
-
-        batch = AttentionBatch(cache=self.cache, slots=slots.to(dev), scratch=self.scratch)
+        keep = self._keep(plan, query_lens, offsets)
+        host = [slots, torch.tensor(plan.token_ids, dtype=torch.long), positions, keep]
+        fresh = parts = None
         if self.use_flash:
-            batch.flash = build_flash_batch(tables, query_lens, ends, dev)
+            host += flash_host_tensors(tables, query_lens, ends)
+        elif not self.use_kernel:
+            fresh = self.cache.take_fresh(tables.flatten())  # only page gathers read slots no token wrote yet
+            host += [] if fresh is None else [fresh]
+            parts = self._sdpa_parts(tables, query_lens, ends, offsets)
+            host += [getattr(part, name) for kind in parts for part in kind for name in part.TENSORS]
+        moved = self._send(host)  # one copy; the device tensors in the order of `host`
+
+        batch = AttentionBatch(cache=self.cache, slots=moved[0], scratch=self.scratch)
+        if self.use_flash:
+            batch.flash = build_flash_batch(moved[4:], query_lens, ends)
         elif self.use_kernel:
             batch.kernel = KernelBatch(positions, row_of_token, tables)
         else:
-            self._add_sdpa_metadata(batch, tables, query_lens, ends, offsets)
+            rest = iter(moved[4:])
+            if fresh is not None:
+                self.cache.zero_blocks(next(rest))
+            if moved is not host:
+                for part in (part for kind in parts for part in kind):
+                    for name in part.TENSORS:
+                        setattr(part, name, next(rest))
+            batch.decode, batch.prefills, batch.prefill_groups = parts
+        inputs = {"input_ids": moved[1][None], "position_ids": moved[2][None], "rollout_batch": batch}
+        return inputs, moved[3]
 
-        keep = self._keep(plan, query_lens, offsets).to(dev)
-        inputs = {
-            "input_ids": torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None],
-            "position_ids": positions.to(dev)[None],
-            "rollout_batch": batch,
-        }
-        return inputs, keep
+    def _send(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's int64 host tensors on the runner's device, through one copy: each `.to(device)` of its own
+        would be a blocking host-to-device transfer on CUDA, several per step. On the CPU: `host` itself."""
+        if self.device.type == "cpu":
+            return host
+        sizes = [t.numel() for t in host]
+        pinned = self.device.type == "cuda" and torch.cuda.is_available()  # pageable memory would block the copy
+        buffer = torch.empty(sum(sizes), dtype=torch.long, pin_memory=pinned)
+        torch.cat([t.reshape(-1) for t in host], out=buffer)
+        moved = buffer.to(self.device, non_blocking=pinned).split(sizes)
+        return [m.view(t.shape) for m, t in zip(moved, host)]
 
     def build_step(self, plan: StepPlan, path: CompiledPath) -> tuple[dict, int]:
         """Inputs of a compiled forward, padded so shapes repeat, and how many of its logit rows are real.
@@ -211,7 +260,7 @@ class ModelRunner:
         reads and attend only to that key, so they never touch a real token's result. The kept rows (a dynamic dim
         at every level) are padded to MIN_DIM with repeats, and the tables to MIN_DIM rows and the kv padding width.
         """
-        dev, page = self.device, self.page_size
+        page = self.page_size
         query_lens, _, offsets, row_of_token, positions = self._layout(plan)
         tokens = plan.num_tokens
         padded = pad_to(tokens, path.q_interval)
@@ -232,34 +281,51 @@ class ModelRunner:
         extra = pad_to(count, 0) - count
         if extra:
             keep = torch.cat([keep, keep[-1:].expand(extra) if count else torch.zeros(extra, dtype=torch.long)])
-        step = StepTensors(slots.to(dev), positions.to(dev), row_of_token.to(dev), tables.to(dev), self.cache.keys,
-                           self.cache.values, page, self.use_kernel)
-        inputs = {
-            "input_ids": torch.tensor(token_ids, dtype=torch.long, device=dev)[None],
-            "position_ids": positions.to(dev)[None],
-            "keep": keep.to(dev),
-            "step": step,
-        }
+        slots, token_ids, positions, row_of_token, tables, keep = self._send(
+            [slots, torch.tensor(token_ids, dtype=torch.long), positions, row_of_token, tables, keep])
+        step = StepTensors(slots, positions, row_of_token, tables, self.cache.keys, self.cache.values, page,
+                           self.use_kernel)
+        inputs = {"input_ids": token_ids[None], "position_ids": positions[None], "keep": keep, "step": step}
         return inputs, count
 
-    def _add_sdpa_metadata(self, batch: AttentionBatch, tables: torch.Tensor, query_lens: torch.Tensor,
-                           ends: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Decode rows attend in length buckets over their gathered pages; each prefill chunk attends alone."""
-        dev, page = self.device, self.page_size
+    def _sdpa_parts(self, tables: torch.Tensor, query_lens: torch.Tensor, ends: torch.Tensor,
+                    offsets: torch.Tensor) -> tuple[list[DecodeBucket], list[PrefillSegment], list[PrefillGroup]]:
+        """Decode rows attend in length buckets over their gathered pages, prefill chunks alone or in groups of
+        similar size; built on the host (the caller sends their tensors to the device)."""
+        page = self.page_size
+        decode, prefills, groups = [], [], []
         decode_rows = (query_lens == 1).nonzero().flatten()
         if len(decode_rows):
             lens = ends[decode_rows]
             order = torch.argsort(lens)
             for rows in _length_buckets(decode_rows[order], lens[order]):
                 row_lens = ends[rows]
-                num_blocks = -(-int(row_lens.max()) // page)
-                batch.decode.append(DecodeBucket(offsets[rows].to(dev), tables[rows, :num_blocks].flatten().to(dev),
-                                                 row_lens.to(dev)))
-        for row in (query_lens > 1).nonzero().flatten().tolist():
-            ctx = int(ends[row])
-            start = int(offsets[row])
-            batch.prefills.append(PrefillSegment(start, start + int(query_lens[row]),
-                                                 tables[row, :-(-ctx // page)].to(dev), ctx))
+                width = int(row_lens.max())
+                decode.append(DecodeBucket(offsets[rows], tables[rows, :-(-width // page)].flatten(), row_lens, width))
+        prefill_rows = (query_lens > 1).nonzero().flatten().tolist()
+        chunks = [(row, int(query_lens[row]), int(ends[row])) for row in prefill_rows]
+        for group in _prefill_groups(chunks) if self.group_prefills else [[chunk] for chunk in chunks]:
+            if len(group) == 1:
+                row, q, ctx = group[0]
+                start = int(offsets[row])
+                prefills.append(PrefillSegment(start, start + q, tables[row, :-(-ctx // page)], ctx))
+            else:
+                groups.append(self._prefill_group(group, tables, offsets))
+        return decode, prefills, groups
+
+    def _prefill_group(self, group: list[tuple[int, int, int]], tables: torch.Tensor,
+                       offsets: torch.Tensor) -> PrefillGroup:
+        """One padded call's metadata for the chunks `(row, query_len, context_len)` of `group`."""
+        rows, q_lens, ctx = (torch.tensor(c, dtype=torch.long) for c in zip(*group))
+        q_len, width = int(q_lens.max()), int(ctx.max())
+        starts = offsets[rows][:, None]
+        index = torch.arange(q_len)[None, :]
+        real = index < q_lens[:, None]  # [S, q_len]
+        queries = torch.where(real, starts + index, starts).flatten()
+        positions = torch.where(real, (ctx - q_lens)[:, None] + index, 0)
+        padded_rows = real.flatten().nonzero().flatten()
+        blocks = tables[rows, :-(-width // self.page_size)].flatten()
+        return PrefillGroup(queries, positions, blocks, padded_rows, queries[padded_rows], q_len, width)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
