@@ -82,20 +82,23 @@ class LLMEngine:
         batch_tokens = self.config.resolve_batch_tokens(device)
         num_blocks = self.config.resolve_num_blocks(shape.bytes_per_token(dtype) * page, device, tokens_hint,
                                                     batch_tokens, self.vocab_size)
-        self.sliding_window = uses_sliding_window(model.config)
         max_requests = self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS
         compiled = build_compiled_forward(self.config, device, batch_tokens)
         self.cache = PagedKVCache(shape, num_blocks, page, dtype, device, scratch_page=compiled is not None)
+        self.runner = ModelRunner(model, self.cache, self.config.prepack_weights, self.config.cpu_attention_kernel,
+                                  compiled)
+        self.runner.check_attention()  # UnsupportedModelError now, not a failed forward per request later
+        windows = self.runner.layer_windows() if uses_sliding_window(model.config) else []
+        self.sliding_window = any(w is not None for w in windows)
+        # every layer slides over the same window: pages behind it go back to the pool as sequences grow
+        self.reclaim_window = windows[0] if self.sliding_window and len(set(windows)) == 1 else None
         self.pool = BlockPool(num_blocks, enable_prefix_cache=self.config.allow_block_sharing
                               and not self.sliding_window)
         self.scheduler = Scheduler(
             self.pool, page, batch_tokens, max_requests,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin,
             stop=StopChecker(self.max_positions, tokenizer), copy_block=self.cache.copy_block,
-            share_prefills=self.config.allow_block_sharing)
-        self.runner = ModelRunner(model, self.cache, self.config.prepack_weights, self.config.cpu_attention_kernel,
-                                  compiled)
-        self.runner.check_attention()  # UnsupportedModelError now, not a failed forward per request later
+            share_prefills=self.config.allow_block_sharing, window=self.reclaim_window)
         self.sampler = Sampler(self.config.seed)
         use_budget = self.config.cpu_threads is not None and device.type == "cpu"
         self.core_budget = CoreBudget(self.config.cpu_threads) if use_budget else None

@@ -64,5 +64,5 @@ class KeptSequences:
         self._kept.clear()
         return kept
 
-    def block_tables(self) -> list[list[int]]:
-        return [r.block_table for r in self._kept.values()]
+    def requests(self) -> list[Request]:
+        return list(self._kept.values())

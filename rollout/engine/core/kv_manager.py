@@ -5,6 +5,8 @@ version, so no request reuses KV computed under older weights), new blocks alloc
 published to the prefix cache once the step that fills them is planned, the partial block copied and the full ones
 shared when an n-sample group forks off its prefill, and everything freed tail first (cached heads outlive tails).
 Finished sequences asked to keep their KV park here (`kept_kv`) until a continuation adopts it or room is needed.
+In a model whose every layer attends over a sliding window, the leading blocks no future query can reach go back to
+the pool as the sequence grows (`reclaim`), so a sequence holds about a window of KV however long it gets.
 Every piece of block arithmetic is written once, here.
 """
 
@@ -22,23 +24,47 @@ CopyBlock = Callable[[int, int, int], None]  # (source block, target block, toke
 class KVManager:
     """Block tables of live and kept sequences over one BlockPool."""
 
-    def __init__(self, pool: BlockPool, page_size: int, copy_block: CopyBlock | None = None) -> None:
+    def __init__(self, pool: BlockPool, page_size: int, copy_block: CopyBlock | None = None,
+                 window: int | None = None) -> None:
         self.pool = pool
         self.page_size = page_size
         self.copy_block = copy_block
+        self.window = window  # every layer's sliding window (None: some layer attends to all keys)
         self.kept = KeptSequences()  # finished sequences holding their KV for a continuation
 
     # ------------------------------------------------------------- arithmetic
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """The blocks a sequence of this many tokens must hold at once to make progress: all of them, or
+        under a sliding window the window's and one for the token it computes."""
+        blocks = self.blocks_for(num_tokens)
+        return blocks if self.window is None else min(blocks, self.blocks_for(self.window) + 1)
+
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a sequence of this many tokens fits in the whole cache."""
-        return self.blocks_for(num_tokens) <= self.pool.num_blocks
+        return self.blocks_needed(num_tokens) <= self.pool.num_blocks
+
+    @staticmethod
+    def owned(request: Request) -> list[int]:
+        """The blocks a request holds references to (its table without the reclaimed placeholders)."""
+        return request.block_table[request.num_reclaimed_blocks:]
+
+    def reclaim(self, request: Request) -> None:
+        """Give back the leading blocks that lie wholly before the sliding window of the next token to compute: its
+        query at position `num_computed` reads keys from `num_computed - window + 1` on, and later ones read later."""
+        if self.window is None:
+            return
+        dead = max(0, request.num_computed - self.window + 1) // self.page_size
+        if dead > request.num_reclaimed_blocks:
+            self.pool.release(request.block_table[request.num_reclaimed_blocks:dead])
+            request.num_reclaimed_blocks = dead
 
     def fit(self, request: Request, num: int) -> int:
-        """The most of `num` more tokens of `request` that fit now (0: not one), after freeing kept KV for them.
-        Allocates nothing."""
+        """The most of `num` more tokens of `request` that fit now (0: not one), after reclaiming its blocks behind
+        the window and freeing kept KV for them. Allocates nothing."""
+        self.reclaim(request)
         needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
         self.free_kept_for(needed)
         if needed <= self.pool.num_free:
@@ -103,7 +129,8 @@ class KVManager:
         if partial and self.pool.num_free < 1:
             return False
         follower.block_table = leader.block_table[:full]
-        for block in follower.block_table:
+        follower.num_reclaimed_blocks = min(leader.num_reclaimed_blocks, full)
+        for block in self.owned(follower):
             self.pool.share(block)
         if partial:
             (new_block,) = self.pool.allocate(1)
@@ -117,8 +144,9 @@ class KVManager:
 
     def free(self, request: Request) -> None:
         """Return a request's blocks to the pool (tail first, so cached heads outlive tails) and reset its KV state."""
-        self.pool.release(reversed(request.block_table))
+        self.pool.release(reversed(self.owned(request)))
         request.block_table = []
+        request.num_reclaimed_blocks = 0
         request.num_computed = 0
         request.num_hashed_blocks = 0
 
@@ -158,6 +186,7 @@ class KVManager:
             self.free(kept)
             return False
         request.block_table, kept.block_table = kept.block_table, []
+        request.num_reclaimed_blocks, kept.num_reclaimed_blocks = kept.num_reclaimed_blocks, 0
         request.num_computed = kept.num_computed
         request.kv_version = kept.kv_version
         request.block_hashes = kept.block_hashes
@@ -165,6 +194,6 @@ class KVManager:
         request.num_prefix_hit_tokens = kept.num_computed
         return True
 
-    def check_invariants(self, live_tables: list[list[int]]) -> None:
-        """The pool's ref counts match the live and kept block tables (used by tests)."""
-        self.pool.check_invariants(live_tables + self.kept.block_tables())
+    def check_invariants(self, live: list[Request]) -> None:
+        """The pool's ref counts match the blocks live and kept sequences hold (used by tests)."""
+        self.pool.check_invariants([self.owned(r) for r in [*live, *self.kept.requests()]])

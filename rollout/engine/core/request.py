@@ -119,6 +119,7 @@ class Request:
         "num_computed",
         "num_hashed_blocks",
         "num_prefix_hit_tokens",
+        "num_reclaimed_blocks",
         "policy_logprobs",
         "policy_top_logprobs",
         "prompt_ids",
@@ -150,6 +151,9 @@ class Request:
         self.block_table: list[int] = []
         self.num_computed = 0
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        # leading blocks of block_table given back because no future query's sliding window reaches them: their ids
+        # stay in the table as placeholders (attention never reads them), the pool owns them again
+        self.num_reclaimed_blocks = 0
         self.block_hashes: list[int] = []  # hash chain of the full blocks of `tokens` (computed lazily)
         self.logprobs: list[float] = []
         self.policy_logprobs: list[float] = []

@@ -48,8 +48,8 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, page_size: int, max_batch_tokens: int, max_requests_per_batch: int,
                  policy: str = "fifo", safety_margin: float = 0.0, stop: StopChecker | None = None,
-                 copy_block: CopyBlock | None = None, share_prefills: bool = True) -> None:
-        self.kv = KVManager(pool, page_size, copy_block)
+                 copy_block: CopyBlock | None = None, share_prefills: bool = True, window: int | None = None) -> None:
+        self.kv = KVManager(pool, page_size, copy_block, window)
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -204,7 +204,7 @@ class Scheduler:
                 if self.pool.num_free < reserve:
                     return
             if not self.kv.fits_ever(len(request.tokens) + 1):
-                error = (f"needs {self.kv.blocks_for(len(request.tokens) + 1)} KV blocks of {self.page_size} tokens "
+                error = (f"needs {self.kv.blocks_needed(len(request.tokens) + 1)} KV blocks of {self.page_size} tokens "
                          f"but the cache has only {self.pool.num_blocks}; raise num_blocks (or page_size) in "
                          "ContinuousBatchingConfig or shorten the prompt")
                 self._fail_with_forks(request, error, ErrorKind.CAPACITY)
@@ -428,7 +428,7 @@ class Scheduler:
         assert set(places) == set(self.requests.values()), "live sequences and queues disagree"
         assert all(leader in self.requests.values() for leader in self._forks), "forks of a finished leader"
         assert self._leader_of == {f: lead for lead, forks in self._forks.items() for f in forks}, "fork index stale"
-        self.kv.check_invariants([r.block_table for r in self.running] + [r.block_table for r in self.waiting])
+        self.kv.check_invariants([*self.running, *self.waiting])
 
 
 def _record_prompt_logprobs(request: Request, record: PromptLogprobs) -> None:

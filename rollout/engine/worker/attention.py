@@ -137,7 +137,7 @@ class AttentionBatch:
     flash: FlashBatch | None = None  # set when the flash-attn kernels serve this step (CUDA only)
     kernel: KernelBatch | None = None  # set when the CPU kernel serves this step
     scratch: GatherScratch | None = None
-    calls: list[int] | None = None  # when set, each layer appends its index (the build-time support check)
+    calls: list[tuple[int, int | None]] | None = None  # when set, each layer appends (index, sliding window)
 
 
 class GatherScratch:
@@ -298,10 +298,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if batch is None:
         raise RuntimeError("rollout's paged attention was called outside an engine forward (no `rollout_batch`).")
     layer = module.layer_idx
-    if batch.calls is not None:
-        batch.calls.append(layer)
-    cache = batch.cache
     window = kwargs.get("sliding_window")
+    if batch.calls is not None:
+        batch.calls.append((layer, window))
+    cache = batch.cache
     softcap = kwargs.get("softcap")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache.write(layer, batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))

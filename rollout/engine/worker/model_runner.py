@@ -152,23 +152,31 @@ class ModelRunner:
         except Exception as err:
             raise UnsupportedModelError(_unsupported_message(
                 self.model, f"a one-token dry run with the engine's attention raised {err!r}")) from err
-        if sorted(calls) != list(range(num_layers)) or rows != 1:
+        layers = sorted(layer for layer, _ in calls)
+        if layers != list(range(num_layers)) or rows != 1:
             raise UnsupportedModelError(_unsupported_message(
-                self.model, f"a one-token dry run called the engine's attention for layers {sorted(calls)} (expected "
+                self.model, f"a one-token dry run called the engine's attention for layers {layers} (expected "
                             f"each of its {num_layers} layers once) and returned {rows} logit rows (expected 1)"))
         logger.warning("%s does not declare transformers' attention-backend support, but a one-token dry run sent "
                        "all %d layers through the engine's attention; serving it (known to work: %s)",
                        type(self.model).__name__, num_layers, ", ".join(KNOWN_GOOD_FAMILIES))
 
-    def _dry_run(self) -> tuple[list[int], int]:
-        """One forward of one token written to slot 0 (no request owns a block yet): the layer indices that reached
-        the paged attention, and how many logit rows came back."""
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends to every key) as the model itself passes it to the paged
+        attention in a one-token dry run: what the layers really do, whatever the config's fields are called."""
+        calls, _ = self._dry_run()
+        windows = dict(calls)
+        return [windows.get(layer) for layer in range(self.cache.shape.num_layers)]
+
+    def _dry_run(self) -> tuple[list[tuple[int, int | None]], int]:
+        """One forward of one token written to slot 0 (no request owns a block yet): (layer index, sliding window)
+        of each call that reached the paged attention, and how many logit rows came back."""
         probe = Request("attention-check", [0], resolve_sampling(None, None))
         probe.block_table = [0]
         plan = StepPlan()
         plan.add(probe, 1)
         inputs, keep = self.build_batch(plan)
-        calls: list[int] = []
+        calls: list[tuple[int, int | None]] = []
         inputs["rollout_batch"].calls = calls
         with torch.inference_mode(), engine_attention(self.model), eval_mode(self.model):
             out = self.model(**inputs, logits_to_keep=keep, use_cache=False)

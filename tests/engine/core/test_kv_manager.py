@@ -213,7 +213,7 @@ class KVTrace(RuleBasedStateMachine):
 
     @invariant()
     def pool_matches_tables(self):
-        self.kv.check_invariants([r.block_table for r in self.live])
+        self.kv.check_invariants(self.live)
         assert all(r.num_computed <= len(r.block_table) * PAGE for r in self.live)
 
     def teardown(self):
@@ -225,3 +225,46 @@ class KVTrace(RuleBasedStateMachine):
 
 KVTrace.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_kv_manager_trace = KVTrace.TestCase
+
+
+WINDOW = 6
+
+
+class SlidingKVTrace(KVTrace):
+    """The same trace for a model whose every layer slides over WINDOW keys (no prefix cache, as for any sliding
+    model): blocks behind the window go back to the pool, and none that a future query reads ever does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVManager(BlockPool(12, enable_prefix_cache=False), PAGE, lambda src, dst, n: None, window=WINDOW)
+
+    @invariant()
+    def window_kept_and_the_rest_given_back(self):
+        for r in self.live:
+            first_read = max(0, r.num_computed - WINDOW + 1)  # the next query's first key
+            assert r.num_reclaimed_blocks * PAGE <= first_read, "a block the window still reads was given back"
+            self.kv.reclaim(r)
+            assert r.num_reclaimed_blocks == first_read // PAGE
+            assert len(self.kv.owned(r)) <= self.kv.blocks_for(r.num_computed - first_read + 1) + 1
+
+
+SlidingKVTrace.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_sliding_kv_manager_trace = SlidingKVTrace.TestCase
+
+
+def test_a_sliding_sequence_holds_its_window_however_long_it_grows():
+    kv = KVManager(BlockPool(4, enable_prefix_cache=False), PAGE, lambda src, dst, n: None, window=WINDOW)
+    assert kv.fits_ever(1000) and not KVManager(BlockPool(4), PAGE).fits_ever(1000)
+    req = request("a", range(7))
+    for _ in range(200):
+        compute(kv, req)
+        req.tokens.append(1)
+        assert len(kv.owned(req)) <= 3 and kv.pool.num_free + len(kv.owned(req)) == 4
+    kv.reclaim(req)
+    assert req.num_reclaimed_blocks == (req.num_computed - WINDOW + 1) // PAGE == 50
+    follower = request("b", req.tokens)
+    assert kv.fork(req, follower)  # shares the full blocks the window reads, copies the partial one
+    assert kv.owned(follower)[:-1] == kv.owned(req)[:-1] and kv.owned(follower)[-1] != kv.owned(req)[-1]
+    kv.free(follower)
+    kv.free(req)
+    assert kv.pool.num_free == 4

@@ -55,7 +55,8 @@ def test_tested_families_declare_support_and_send_every_layer_through_the_engine
     assert type(model)._supports_attention_backend
     engine = LLMEngine(model, None, ContinuousBatchingConfig(page_size=8, num_blocks=16))
     calls, rows = engine.runner._dry_run()  # the rule an undeclared class is held to holds for these too
-    assert sorted(calls) == list(range(model.config.num_hidden_layers)) and rows == 1
+    assert sorted(calls) == [(layer, None) for layer in range(model.config.num_hidden_layers)] and rows == 1
+    assert engine.runner.layer_windows() == [None] * model.config.num_hidden_layers and not engine.sliding_window
 
 
 def test_undeclared_model_that_goes_through_the_interface_is_served(caplog):
