@@ -27,6 +27,8 @@ if str(REPO_ROOT) not in sys.path:  # `python benchmarks/x.py` from anywhere imp
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.tables import format_table  # noqa: E402  (re-exported: the scripts import it from here)
+
 # --------------------------------------------------------------------------------------------------------- the model
 # Qwen3 architecture, about 25.7M parameters (tied embeddings).
 MODEL_CONFIG = dict(
@@ -271,20 +273,6 @@ def run_json_child(argv_for: Callable[[str], list[str]], threads: int, env_pairs
         if proc.returncode != 0 or not os.path.exists(result_file):
             return None, f"child exited with {proc.returncode}", seconds
         return json.loads(Path(result_file).read_text()), "", seconds
-
-
-def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
-    """Plain fixed-width table; `align` is one char per column ('l' or 'r'), default: first left, rest right."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    align = align or "l" + "r" * (len(headers) - 1)
-
-    def line(r):
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align, strict=True))
-
-    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells[1:]]
-    return "\n".join(out)
 
 
 def environment() -> dict:

@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py env    --out DIR   # versions, optional packages, SDPA kernels per call form
     python benchmarks/gpu_check.py syncs  --out DIR   # host syncs of one decode step and one mixed step, file:line
     python benchmarks/gpu_check.py bench  --out DIR   # bf16 throughput vs transformers, step split, page sizes
-    python benchmarks/gpu_check.py table  --out DIR   # one markdown table from the stages' JSON (and the tests')
+    python benchmarks/gpu_check_table.py  --out DIR   # one table from the stages' JSON (and the tests')
 
 `--dry-run` runs every stage on the CPU with a tiny model and tiny workloads: it checks the plumbing (CI runs it),
 not the numbers. Each stage writes `DIR/<stage>.json`; a stage that fails still writes its error there, so the table
@@ -19,7 +19,6 @@ import sys
 import time
 import traceback
 import warnings
-import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-from benchmarks.common import REPO_ROOT, environment, format_table
+from benchmarks.common import REPO_ROOT, environment
 from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams, generate_batch
 
 # Qwen3-0.6B's shape (random weights): the ~0.5B model the bench stage measures.
@@ -286,71 +285,16 @@ def stage_bench(setup: Setup) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------- table
-def _load(out: Path, name: str) -> dict:
-    path = out / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else {"error": "stage did not run (no JSON)"}
-
-
-def _tests(out: Path) -> str:
-    path = out / "test_gpu.xml"
-    if not path.exists():
-        return "did not run"
-    suite = ET.parse(path).getroot()
-    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
-    get = lambda k: int(suite.get(k, 0))  # noqa: E731
-    passed = get("tests") - get("failures") - get("errors") - get("skipped")
-    return f"{passed} passed, {get('failures')} failed, {get('errors')} errors, {get('skipped')} skipped"
-
-
-def stage_table(out: Path) -> str:
-    env, syncs, bench = _load(out, "env"), _load(out, "syncs"), _load(out, "bench")
-    rows: list[list] = []
-    info = env.get("env", {})
-    rows.append(["env", "versions", f"torch {info.get('torch')}, transformers {info.get('transformers')}, "
-                                    f"{env.get('cuda', {}).get('device', 'no CUDA')}"])
-    missing = [k for k, v in env.get("packages", {}).items() if str(v).startswith("missing")]
-    rows.append(["env", "missing packages", ", ".join(missing) or "none"])
-    rows.append(["env", "default page size", env.get("engine_default_page_size")])
-    for form, kernels in env.get("sdpa_kernels", {}).items():
-        rows.append(["SDPA", form, ", ".join(k for k, v in kernels.items() if v == "ok") or "none"])
-    rows.append(["tests", "tests/engine/worker/test_gpu.py", _tests(out)])
-    for step, result in syncs.items():
-        if isinstance(result, dict) and result.get("available"):
-            sites = "; ".join(f"{site} x{n}" for site, n in result["sites"].items()) or "none"
-            rows.append(["syncs", step, f"{result['total']}: {sites}"])
-        else:
-            rows.append(["syncs", step, result.get("reason", result) if isinstance(result, dict) else result])
-    for system, result in bench.get("throughput", {}).items():
-        rows.append(["throughput", system, f"{result['tok_s']} tok/s" if "tok_s" in result else result])
-    for label, key in (("decode step", "decode_steps"), ("page size", "page_sizes")):
-        for r in bench.get(key, []):
-            rows.append([label, f"{r['rows']} rows, page {r['page_size']}",
-                         f"{r['step_ms']} ms/step (schedule {r['schedule_ms']}, build {r['build_ms']}, forward "
-                         f"{r['forward_ms']}, sample {r['sample_ms']})"])
-    for name, stage in (("env", env), ("syncs", syncs), ("bench", bench)):
-        if "error" in stage:
-            rows.append([name, "stage error", stage["error"]])
-    model = bench.get("model", {})
-    title = f"GPU check: {model.get('shape', '?')}, {model.get('dtype', '?')} on {model.get('device', '?')}"
-    return f"{title}\n\n{format_table(['stage', 'what', 'result'], rows, align='lll')}\n"
-
-
 STAGES = {"env": stage_env, "syncs": stage_syncs, "bench": stage_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=[*STAGES, "table"])
+    p.add_argument("stage", choices=list(STAGES))
     p.add_argument("--out", type=Path, required=True, help="folder for the stage's JSON")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model: checks the plumbing, not the numbers")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.stage == "table":
-        table = stage_table(args.out)
-        (args.out / "table.md").write_text(table)
-        sys.stdout.write(table)
-        return 0
     try:
         result = STAGES[args.stage](Setup(args.dry_run))
         code = 0

@@ -30,7 +30,7 @@ stage env 45 "$PY" benchmarks/gpu_check.py env --out "$OUT" $DRY
 stage tests 150 "$PY" -m pytest tests/engine/worker/test_gpu.py -q -p no:cacheprovider --junitxml="$OUT/test_gpu.xml"
 stage syncs 75 "$PY" benchmarks/gpu_check.py syncs --out "$OUT" $DRY
 stage bench 200 "$PY" benchmarks/gpu_check.py bench --out "$OUT" $DRY
-stage table 45 "$PY" benchmarks/gpu_check.py table --out "$OUT"
+stage table 20 "$PY" benchmarks/gpu_check_table.py --out "$OUT"
 cat "$OUT/table.md" 2>/dev/null
 cat "$STATUS"
 # rc 0 only when every stage finished (tests may fail or skip: their counts are in the table)
