@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from common import current_rss_mib
+from common import cpu_flags, current_rss_mib
 from serving import free_port, stop_server, wait_ready
 
 from rollout import AsyncRollouts, ContinuousBatchingConfig, RolloutGenerator, SamplingParams
@@ -124,9 +124,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.9, help="the reward target whose wall-clock is reported")
     args = parser.parse_args()
     args.report_at = {int(s) for s in args.report_at.split(",") if s}
-    flags = subprocess.run("grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u | tr '\\n' ' '", shell=True,
-                           capture_output=True, text=True).stdout.strip()
-    print(f"CPU flags: {flags}; torch {torch.__version__}; backend: {args.backend}")
+    print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}; backend: {args.backend}")
     print("| max_staleness | steps | s | samples/s | x first row | reward (last 10) | trainer waiting | engine idle "
           "| versions behind | IS ratio p99 (mean over steps) | IS ratio max | tokens clipped "
           f"| reward >= {args.target} (5-step mean): step, s |")

@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -283,6 +284,15 @@ def environment() -> dict:
     return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                 cpu_count=os.cpu_count(), machine=platform.machine(), processor=platform.processor() or None,
                 **git_state())
+
+
+def cpu_flags() -> str:
+    """This CPU's AVX flags, as the notes write them (`grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " ".join(sorted(set(re.findall(r"\bavx[0-9a-z_]*", f.read()))))
+    except OSError:
+        return "unknown"
 
 
 def git_state() -> dict:

@@ -61,12 +61,8 @@ MAX_COMPILE_LEVEL = 3
 UNIMPLEMENTED_FIELDS: dict[str, tuple[object, str]] = {
     "use_cuda_graph": (None, "CUDA graphs are not implemented"),
     "use_async_batching": (None, "asynchronous batching is not implemented"),
-    "cpu_offload_space": (0.0, "offloading evicted KV blocks to CPU memory is not implemented"),
-    "cpu_offload_space_safety_threshold": (0.8, "offloading evicted KV blocks to CPU memory is not implemented"),
     "cpu_group_timeout": (300.0, "CPU offload groups are not implemented"),
     "max_queue_size": (0, "the request queue is unbounded"),
-    "max_blocks_per_request": (None, "a request may use as many blocks as the cache has; bound its length with "
-                                     "max_new_tokens instead"),
     "per_request_processors": (True, "per-request settings are always honoured"),
 }
 
@@ -149,8 +145,58 @@ class ContinuousBatchingConfig:
                 isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be None (the stepping thread's own count), 'auto' (fewer while other "
                              f"processes keep the cores busy) or an integer >= 1, got {self.cpu_threads!r}.")
+        blocks = self.max_blocks_per_request
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0):
+            raise ValueError(f"max_blocks_per_request must be None (any table width), 0 (no decode fast path) or a "
+                             f"positive number of blocks, got {self.max_blocks_per_request!r}.")
+        self._check_offload()
         self._check_compile()
         self._reject_unimplemented()
+
+    def _check_offload(self) -> None:
+        space, share = self.cpu_offload_space, self.cpu_offload_space_safety_threshold
+        if space is not None and (isinstance(space, bool) or not isinstance(space, (int, float)) or space < 0):
+            raise ValueError(f"cpu_offload_space must be the CPU swap space in GiB (>= 0; 0 turns offloading off) or "
+                             f"None (sized from cpu_offload_space_safety_threshold of available RAM), got {space!r}.")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:
+            raise ValueError(f"cpu_offload_space_safety_threshold must be a fraction of available RAM in (0, 1], "
+                             f"got {share!r}.")
+
+    def resolve_fast_path_blocks(self, flash: bool, sliding: bool) -> int | None:
+        """`max_blocks_per_request` as the engine applies it: the widest block table a decode-only step may have to
+        take flash-attn's `flash_attn_with_kvcache` (None: any; 0: every step takes the varlen kernel). Forced to 0
+        for a model with sliding layers, as in transformers; without flash-attn on CUDA there is no such fast path
+        (the CPU kernel and the PyTorch path read block tables of any width in every step), so an explicit value only
+        logs that it has no effect."""
+        if not flash:
+            if self.max_blocks_per_request is not None:
+                logger.warning("max_blocks_per_request=%d has no effect: it sizes the decode fast path of flash-attn's "
+                               "flash_attn_with_kvcache, used only on CUDA with flash-attn installed; here every step "
+                               "reads block tables of any width", self.max_blocks_per_request)
+            return None
+        if sliding:
+            logger.info("the decode fast path is off (max_blocks_per_request=0): some of the model's attention types "
+                        "(sliding windows) do not support kernel block tables%s",
+                        f"; the {self.max_blocks_per_request} set is ignored" if self.max_blocks_per_request else "")
+            return 0
+        return self.max_blocks_per_request
+
+    def resolve_swap_blocks(self, bytes_per_block: int, cache_bytes_in_ram: int = 0) -> int:
+        """Blocks of the CPU swap space (0: offloading off): `cpu_offload_space` GiB, never more than
+        `cpu_offload_space_safety_threshold` of the RAM available (less a CPU cache's own bytes, which the OS may not
+        have mapped yet); all of that share when `cpu_offload_space` is None."""
+        if self.cpu_offload_space == 0:
+            return 0
+        available = max(0, _memory_bytes(torch.device("cpu"))[0] - cache_bytes_in_ram)
+        cap = available * self.cpu_offload_space_safety_threshold
+        wanted = cap if self.cpu_offload_space is None else self.cpu_offload_space * 2**30
+        if wanted > cap:
+            logger.warning("CPU offload: %.2f GiB asked for, but %.0f%% of the %.2f GiB of RAM available is %.2f GiB; "
+                           "using that", wanted / 2**30, self.cpu_offload_space_safety_threshold * 100,
+                           available / 2**30, cap / 2**30)
+        blocks = int(min(wanted, cap) // bytes_per_block)
+        logger.info("CPU offload: a swap space of %d blocks (%.1f MiB)", blocks, blocks * bytes_per_block / 2**20)
+        return blocks
 
     def _check_compile(self) -> None:
         level = self.default_compile_level

@@ -2,6 +2,7 @@
 
 import warnings
 
+import psutil
 import pytest
 import torch
 
@@ -36,9 +37,8 @@ def test_bad_page_size(value):
 
 
 NON_DEFAULT = {
-    "use_cuda_graph": True, "use_async_batching": False, "cpu_offload_space": 4.0,
-    "cpu_offload_space_safety_threshold": 0.5,
-    "cpu_group_timeout": 10.0, "max_queue_size": 16, "max_blocks_per_request": 8, "per_request_processors": False,
+    "use_cuda_graph": True, "use_async_batching": False,
+    "cpu_group_timeout": 10.0, "max_queue_size": 16, "per_request_processors": False,
 }
 
 
@@ -102,3 +102,34 @@ def test_max_batch_tokens_default_and_explicit():
     assert ContinuousBatchingConfig(max_batch_tokens=1000).resolve_batch_tokens(cpu) == 1000
     with pytest.raises(ValueError, match="max_batch_tokens"):
         ContinuousBatchingConfig(max_batch_tokens=0)
+
+
+@pytest.mark.parametrize("space", [-1.0, "8", True, [1]])
+def test_bad_cpu_offload_space(space):
+    with pytest.raises(ValueError, match="cpu_offload_space must be the CPU swap space in GiB"):
+        ContinuousBatchingConfig(cpu_offload_space=space)
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5, -0.2, None, True])
+def test_bad_cpu_offload_safety_threshold(share):
+    with pytest.raises(ValueError, match=r"cpu_offload_space_safety_threshold must be a fraction .* in \(0, 1\]"):
+        ContinuousBatchingConfig(cpu_offload_space_safety_threshold=share)
+
+
+@pytest.fixture
+def ram(monkeypatch):
+    """psutil reports 10 GiB of RAM available."""
+    memory = type("Memory", (), {"available": 10 * 2**30, "total": 16 * 2**30})
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+
+
+def test_the_swap_space_is_what_was_asked_for_within_the_safety_share_of_ram(ram, caplog):
+    block = 2**20
+    assert ContinuousBatchingConfig().resolve_swap_blocks(block) == 0, "off by default, as in transformers"
+    assert ContinuousBatchingConfig(cpu_offload_space=2.0).resolve_swap_blocks(block) == 2048
+    assert ContinuousBatchingConfig(cpu_offload_space=None).resolve_swap_blocks(block) == 8192  # 80% of 10 GiB
+    half = ContinuousBatchingConfig(cpu_offload_space=None, cpu_offload_space_safety_threshold=0.5)
+    assert half.resolve_swap_blocks(block, cache_bytes_in_ram=2 * 2**30) == 4096, "a CPU cache's RAM is not free"
+    with caplog.at_level("WARNING", logger="rollout.config"):
+        assert ContinuousBatchingConfig(cpu_offload_space=64.0).resolve_swap_blocks(block) == 8192
+    assert "64.00 GiB asked for" in caplog.text and "using that" in caplog.text

@@ -19,6 +19,7 @@ from rollout.engine.core.scheduler import Scheduler
 from rollout.engine.core.sequence_group import SequenceGroup
 from rollout.engine.core.stats import EngineStats
 from rollout.engine.core.stopping import StopChecker
+from rollout.engine.core.swap_space import SwapSpace
 from rollout.engine.cpu.core_budget import CoreBudget
 from rollout.engine.sample import prompt_logprobs
 from rollout.engine.sample.resolve import ResolvedSampling, resolve_sampling
@@ -27,7 +28,7 @@ from rollout.engine.sample.sampler import Sampler
 from rollout.engine.sample.structured_output import GrammarCompiler
 from rollout.engine.worker import flash_backend
 from rollout.engine.worker.compiled_forward import build_compiled_forward
-from rollout.engine.worker.kv_cache import KVShape, PagedKVCache
+from rollout.engine.worker.kv_cache import HostKVStorage, KVShape, PagedKVCache
 from rollout.engine.worker.model_runner import ModelRunner
 from rollout.sampling_params import SamplingParams
 from rollout.validation import InvalidRequestError, check_prompt
@@ -92,13 +93,14 @@ class LLMEngine:
         self.sliding_window = any(w is not None for w in windows)
         # every layer slides over the same window: pages behind it go back to the pool as sequences grow
         self.reclaim_window = windows[0] if self.sliding_window and len(set(windows)) == 1 else None
+        self.runner.fast_path_blocks = self.config.resolve_fast_path_blocks(self.runner.use_flash, self.sliding_window)
         self.pool = BlockPool(num_blocks, enable_prefix_cache=self.config.allow_block_sharing
                               and not self.sliding_window)
         self.scheduler = Scheduler(
             self.pool, page, batch_tokens, max_requests,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin,
             stop=StopChecker(self.max_positions, tokenizer), copy_block=self.cache.copy_block,
-            share_prefills=self.config.allow_block_sharing, window=self.reclaim_window)
+            share_prefills=self.config.allow_block_sharing, window=self.reclaim_window, swap=self._swap_space(device))
         self.sampler = Sampler(self.config.seed)
         use_budget = self.config.cpu_threads is not None and device.type == "cpu"
         self.core_budget = CoreBudget(self.config.cpu_threads) if use_budget else None
@@ -106,6 +108,18 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._auto_ids = itertools.count()
         self.counters = dict(steps=0, forward_errors=0, peak_used_blocks=0)
+
+    def _swap_space(self, device: torch.device) -> SwapSpace | None:
+        """The CPU swap space `cpu_offload_space` asks for (None when it is off or too small for one block)."""
+        bytes_per_block = self.cache.shape.bytes_per_token(self.cache.dtype) * self.cache.page_size
+        blocks = self.config.resolve_swap_blocks(bytes_per_block, self.cache.nbytes if device.type == "cpu" else 0)
+        if blocks < 1:
+            if self.config.cpu_offload_space != 0:
+                logger.warning("CPU offload is off: the swap space asked for holds no whole KV block (%d bytes)",
+                               bytes_per_block)
+            return None
+        storage = HostKVStorage(self.cache, blocks)
+        return SwapSpace(blocks, storage.copy_out, storage.copy_in)
 
     # ------------------------------------------------------------------ weights
     @property
@@ -224,6 +238,7 @@ class LLMEngine:
             return self.scheduler.take_outputs()
         self.counters["steps"] += 1
         self.counters["peak_used_blocks"] = max(self.counters["peak_used_blocks"], self.pool.num_used)
+        started = time.perf_counter()
         try:  # a failed forward or draw fails this step's requests; the engine keeps serving
             logits = self.runner.run(plan)
             prompt_records: list[prompt_logprobs.PromptLogprobs] = []
@@ -241,6 +256,8 @@ class LLMEngine:
             self.health = EngineHealth(h.consecutive_failures + 1, repr(err), time.time(), h.last_success_time)
             return self.scheduler.fail_step(plan, repr(err))
         self.health = EngineHealth(0, self.health.last_error, self.health.last_error_time, time.time())
+        if self.scheduler.kv.swap is not None:  # what a recompute would cost, for the swap-or-recompute choice
+            self.scheduler.kv.swap.costs.observe_forward(sum(plan.query_lens), time.perf_counter() - started)
         return self.scheduler.update(plan, sampled, self.weight_version, prompt_records)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -256,7 +273,14 @@ class LLMEngine:
             peak_used_blocks=self.counters["peak_used_blocks"], running=len(sched.running),
             waiting=len(sched.waiting), weight_version=self.weight_version, steps=self.counters["steps"],
             forward_errors=self.counters["forward_errors"], preemptions=sched.num_preemptions,
-            chunked_prefills=sched.num_chunked_prefills, **sched.counters)
+            chunked_prefills=sched.num_chunked_prefills, **sched.counters, **self._swap_stats())
+
+    def _swap_stats(self) -> dict[str, int]:
+        swap = self.scheduler.kv.swap
+        if swap is None:
+            return {}
+        return dict(swap_blocks=swap.num_blocks, swap_free_blocks=swap.num_free,
+                    swapped=sum(bool(r.host_blocks) for r in self.scheduler.waiting), **swap.counters)
 
     def reset_peak(self) -> None:
         """Start a new window for `peak_used_blocks` (e.g. one rollout call)."""

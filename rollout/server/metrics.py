@@ -33,6 +33,8 @@ _GAUGES = (
     ("prefix_cache_hit_rate", "Share of prompt work served from the prefix cache: hits / (hits + prefilled).",
      "prefix_cache_hit_rate"),
     ("weight_version", "Version of the weights new tokens are generated with.", "weight_version"),
+    ("num_requests_swapped", "Preempted sequences whose KV waits in the CPU swap space.", "swapped"),
+    ("cpu_swap_free_blocks", "Free blocks of the CPU swap space (0 when offloading is off).", "swap_free_blocks"),
 )
 _COUNTERS = (
     ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", "prefix_hit_tokens"),
@@ -40,6 +42,8 @@ _COUNTERS = (
     ("generation_tokens", "Tokens generated.", "generated_tokens"),
     ("engine_steps", "Engine steps (forward passes).", "steps"),
     ("preemptions", "Requests preempted for lack of KV blocks.", "preemptions"),
+    ("cpu_swapped_out_blocks", "KV blocks preemptions copied to the CPU swap space.", "swapped_out_blocks"),
+    ("cpu_swapped_in_blocks", "KV blocks copied back from the CPU swap space.", "swapped_in_blocks"),
 )
 _UPDATE_COUNTERS = (
     ("weight_updates", "Weight updates applied.", "weight_updates"),

@@ -7,6 +7,8 @@ shared when an n-sample group forks off its prefill, and everything freed tail f
 Finished sequences asked to keep their KV park here (`kept_kv`) until a continuation adopts it or room is needed.
 In a model whose every layer attends over a sliding window, the leading blocks no future query can reach go back to
 the pool as the sequence grows (`reclaim`), so a sequence holds about a window of KV however long it gets.
+With a swap space, a preempted sequence's blocks can be copied to CPU memory and back (`swap_out`, and `allocate`
+brings them back) instead of being recomputed.
 Every piece of block arithmetic is written once, here.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from rollout.engine.core.block_pool import BlockPool, hash_chain
 from rollout.engine.core.kept_kv import KeptSequences
 from rollout.engine.core.request import Request
+from rollout.engine.core.swap_space import SwapSpace
 
 CopyBlock = Callable[[int, int, int], None]  # (source block, target block, tokens): copies KV for a fork
 
@@ -25,12 +28,13 @@ class KVManager:
     """Block tables of live and kept sequences over one BlockPool."""
 
     def __init__(self, pool: BlockPool, page_size: int, copy_block: CopyBlock | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, swap: SwapSpace | None = None) -> None:
         self.pool = pool
         self.page_size = page_size
         self.copy_block = copy_block
         self.window = window  # every layer's sliding window (None: some layer attends to all keys)
         self.kept = KeptSequences()  # finished sequences holding their KV for a continuation
+        self.swap = swap  # None: a preempted sequence recomputes its KV
 
     # ------------------------------------------------------------- arithmetic
     def blocks_for(self, num_tokens: int) -> int:
@@ -54,7 +58,7 @@ class KVManager:
     def reclaim(self, request: Request) -> None:
         """Give back the leading blocks that lie wholly before the sliding window of the next token to compute: its
         query at position `num_computed` reads keys from `num_computed - window + 1` on, and later ones read later."""
-        if self.window is None:
+        if self.window is None or request.host_blocks:
             return
         dead = max(0, request.num_computed - self.window + 1) // self.page_size
         if dead > request.num_reclaimed_blocks:
@@ -73,7 +77,10 @@ class KVManager:
         return max(0, min(num, room))
 
     def allocate(self, request: Request, num: int) -> None:
-        """Extend the block table for `num` more tokens (they must `fit`)."""
+        """Extend the block table for `num` more tokens (they must `fit`), after bringing a swapped-out request's
+        blocks back."""
+        if request.host_blocks:
+            self._swap_in(request)
         needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
         if needed > 0:
             request.block_table.extend(self.pool.allocate(needed))
@@ -81,8 +88,8 @@ class KVManager:
     # ------------------------------------------------------------ the prefix
     def attach_prefix(self, request: Request, weight_version: int) -> None:
         """Reuse cached blocks of the request's full-block prefix computed under `weight_version`."""
-        if request.block_table:
-            return  # it continues a kept sequence whose KV it holds already
+        if request.block_table or request.host_blocks:
+            return  # it continues a kept sequence whose KV it holds already, or its KV waits in the swap space
         request.kv_version = weight_version
         request.block_hashes = hash_chain(request.tokens, self.page_size, weight_version)
         request.num_hashed_blocks = 0
@@ -142,13 +149,71 @@ class KVManager:
         follower.num_hashed_blocks = min(leader.num_hashed_blocks, full)
         return True
 
+    def detach(self, request: Request) -> None:
+        """A request admission looked at must wait after all: give back what `attach_prefix` took (a swapped-out
+        request took nothing and keeps its swapped KV)."""
+        if not request.host_blocks:
+            self.free(request)
+
     def free(self, request: Request) -> None:
-        """Return a request's blocks to the pool (tail first, so cached heads outlive tails) and reset its KV state."""
+        """Return a request's blocks to the pool (tail first, so cached heads outlive tails), and its host blocks to
+        the swap space, and reset its KV state."""
         self.pool.release(reversed(self.owned(request)))
+        if request.host_blocks:
+            self.swap.release(request.host_blocks)
+            request.host_blocks = []
         request.block_table = []
         request.num_reclaimed_blocks = 0
         request.num_computed = 0
         request.num_hashed_blocks = 0
+
+    # ------------------------------------------------------------------ swap
+    def swap_out(self, request: Request) -> bool:
+        """A preempted request: copy its blocks to the swap space and give them back to the pool, keeping its
+        computed tokens, if there is room and that is cheaper than recomputing them; False (nothing changed) if not."""
+        owned = self.owned(request)
+        if self.swap is None or not owned or len(owned) > self.swap.num_free:
+            return False
+        shared = self._shared_head(request)
+        if not self.swap.costs.swap_is_cheaper(request.num_computed - shared * self.page_size,
+                                               2 * len(owned) - shared):
+            return False
+        request.host_blocks = self.swap.copy_out(owned)
+        self.pool.release(reversed(owned))
+        del request.block_table[request.num_reclaimed_blocks:]
+        return True
+
+    def _shared_head(self, request: Request) -> int:
+        """How many of the leading blocks another sequence also holds: they stay in the cache (a recompute would hit
+        them in the prefix cache, and `_swap_in` finds them there)."""
+        count = 0
+        for b in range(request.num_reclaimed_blocks, request.num_hashed_blocks):
+            if self.pool.ref_counts[request.block_table[b]] < 2:
+                break
+            count += 1
+        return count
+
+    def _swap_in(self, request: Request) -> None:
+        """Bring a swapped-out request's blocks back: its hashed blocks still in the prefix cache are reused, the
+        others are allocated and copied from the swap space (`fit` counted them all)."""
+        host, request.host_blocks = request.host_blocks, []
+        start = len(request.block_table)
+        table: list[int | None] = []
+        for i in range(len(host)):
+            b = start + i
+            table.append(self.pool.lookup(request.block_hashes[b]) if b < request.num_hashed_blocks else None)
+        copies = [i for i, block in enumerate(table) if block is None]
+        fresh = self.pool.allocate(len(copies))
+        for i, block in zip(copies, fresh):
+            table[i] = block
+        self.swap.copy_in([host[i] for i in copies], fresh)
+        self.swap.release(host)
+        request.block_table.extend(table)
+
+    def drop_swapped(self, request: Request) -> None:
+        """Forget a waiting request's swapped KV (computed under weights that changed): it recomputes."""
+        if request.host_blocks:
+            self.free(request)
 
     # --------------------------------------------------------------- kept KV
     def park(self, request: Request) -> None:
@@ -195,5 +260,12 @@ class KVManager:
         return True
 
     def check_invariants(self, live: list[Request]) -> None:
-        """The pool's ref counts match the blocks live and kept sequences hold (used by tests)."""
+        """The pool's ref counts match the blocks live and kept sequences hold, and every host block is free or held
+        by one swapped-out sequence (used by tests)."""
         self.pool.check_invariants([self.owned(r) for r in [*live, *self.kept.requests()]])
+        for request in live:
+            assert not request.host_blocks or not self.owned(request), f"{request} is swapped out and in at once"
+        if self.swap is not None:
+            self.swap.check_invariants([r.host_blocks for r in live])
+        else:
+            assert not any(r.host_blocks for r in live), "a sequence holds host blocks without a swap space"

@@ -113,6 +113,7 @@ class Request:
         "finish_reason",
         "finished_time",
         "grammar",
+        "host_blocks",
         "kept_logmass",
         "kv_version",
         "logprobs",
@@ -155,6 +156,9 @@ class Request:
         # stay in the table as placeholders (attention never reads them), the pool owns them again
         self.num_reclaimed_blocks = 0
         self.block_hashes: list[int] = []  # hash chain of the full blocks of `tokens` (computed lazily)
+        # preempted into the swap space: the host blocks holding what followed the placeholders of block_table, while
+        # it waits (num_computed stays; the blocks come back when it resumes)
+        self.host_blocks: list[int] = []
         self.logprobs: list[float] = []
         self.policy_logprobs: list[float] = []
         self.kept_logmass: list[float] = []
@@ -252,4 +256,4 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, tokens={len(self.tokens)}, "
-                f"computed={self.num_computed}, blocks={len(self.block_table)})")
+                f"computed={self.num_computed}, blocks={len(self.block_table)}, swapped={len(self.host_blocks)})")

@@ -23,6 +23,7 @@ from rollout.engine.core.request import ErrorKind, Request, RequestOutput, Reque
 from rollout.engine.core.sequence_group import SequenceGroup
 from rollout.engine.core.step import StepPlan
 from rollout.engine.core.stopping import StopChecker
+from rollout.engine.core.swap_space import SwapSpace
 from rollout.engine.sample.prompt_logprobs import PromptLogprobs
 from rollout.engine.sample.rows import SampleResult
 
@@ -48,8 +49,9 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, page_size: int, max_batch_tokens: int, max_requests_per_batch: int,
                  policy: str = "fifo", safety_margin: float = 0.0, stop: StopChecker | None = None,
-                 copy_block: CopyBlock | None = None, share_prefills: bool = True, window: int | None = None) -> None:
-        self.kv = KVManager(pool, page_size, copy_block, window)
+                 copy_block: CopyBlock | None = None, share_prefills: bool = True, window: int | None = None,
+                 swap: SwapSpace | None = None) -> None:
+        self.kv = KVManager(pool, page_size, copy_block, window, swap)
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -183,15 +185,17 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
-        """Free a running request's blocks for others; it recomputes prompt + generated later."""
-        self._requeue(request)
+        """Free a running request's blocks for others: its KV waits in the swap space, or it recomputes later."""
+        self._requeue(request, swap=True)
         self.num_preemptions += 1
-        logger.debug("preempted %s to free KV blocks", request.request_id)
+        logger.debug("preempted %s to free KV blocks (swapped: %s)", request.request_id, bool(request.host_blocks))
 
-    def _requeue(self, request: Request) -> None:
-        """Send a running request back to the front of the queue without its KV."""
+    def _requeue(self, request: Request, swap: bool = False) -> None:
+        """Send a running request back to the front of the queue with its KV swapped out (`swap`, where the swap
+        space takes it and that is cheaper) or dropped."""
         self.running.remove(request)
-        self.kv.free(request)
+        if not (swap and self.kv.swap_out(request)):
+            self.kv.free(request)
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
 
@@ -214,7 +218,7 @@ class Scheduler:
             fits = self.kv.fit(request, num)
             if fits < num and (fits == 0 or (self.running and fits < request.num_pending and fits < budget[0])):
                 # Wait for memory rather than start a prefill we would soon have to preempt.
-                self.kv.free(request)
+                self.kv.detach(request)
                 return
             num = fits
             self.kv.allocate(request, num)
@@ -408,6 +412,8 @@ class Scheduler:
         preempted = list(self.running)
         for request in reversed(preempted):
             self._requeue(request)
+        for request in self.waiting:  # KV swapped out under the old weights recomputes as well
+            self.kv.drop_swapped(request)
         self.kv.free_all_kept()  # their continuations recompute too
         return preempted
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 # Monotonic counters: a window of work (one generate call, one training step) is the difference of two snapshots.
 COUNTERS = ("steps", "prompt_tokens", "generated_tokens", "prefill_tokens", "decode_tokens", "prefix_hit_tokens",
-            "forward_errors", "preemptions", "chunked_prefills")
+            "forward_errors", "preemptions", "chunked_prefills", "swapped_out_blocks", "swapped_in_blocks")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,13 @@ class EngineStats:
     forward_errors: int = 0
     preemptions: int = 0
     chunked_prefills: int = 0
+    # CPU offload (cpu_offload_space): the swap space's size and free blocks, the sequences waiting in it now, and the
+    # blocks copied out to it and back in (a preemption that swaps recomputes nothing)
+    swap_blocks: int = 0
+    swap_free_blocks: int = 0
+    swapped: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
     queued: int = 0  # submitted to a manager but not yet handed to the engine
     uncollected: int = 0  # finished in a manager but not yet collected by a caller
 

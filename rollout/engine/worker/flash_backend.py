@@ -44,10 +44,7 @@ class FlashBatch:
     cu_seqlens_k: torch.Tensor  # [B + 1]
     max_query_len: int
     max_context_len: int
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_query_len == 1
+    kv_cache_kernel: bool = False  # a decode-only step `flash_attn_with_kvcache` serves (the decode fast path)
 
 
 def flash_host_tensors(tables: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor
@@ -61,11 +58,15 @@ def flash_host_tensors(tables: torch.Tensor, query_lens: torch.Tensor, context_l
     return [tables, context_lens, cu_q, cu_k]
 
 
-def build_flash_batch(moved: list[torch.Tensor], query_lens: torch.Tensor, context_lens: torch.Tensor) -> FlashBatch:
+def build_flash_batch(moved: list[torch.Tensor], query_lens: torch.Tensor, context_lens: torch.Tensor,
+                      fast_path_blocks: int | None = None) -> FlashBatch:
     """The FlashBatch of `flash_host_tensors` once on the device (cast there: no further copy from the host); the
-    two maxima are read from the host tensors."""
+    two maxima are read from the host tensors. `fast_path_blocks` (`max_blocks_per_request`): the widest block table
+    the decode fast path takes (None: any; 0: the fast path is off, decode-only steps take the varlen kernel)."""
     tables, lens, cu_q, cu_k = (t.to(torch.int32) for t in moved)
-    return FlashBatch(tables, lens, cu_q, cu_k, int(query_lens.max()), int(context_lens.max()))
+    max_query = int(query_lens.max())
+    fast = max_query == 1 and (fast_path_blocks is None or moved[0].shape[1] <= fast_path_blocks)
+    return FlashBatch(tables, lens, cu_q, cu_k, max_query, int(context_lens.max()), fast)
 
 
 def flash_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: FlashBatch,
@@ -74,7 +75,7 @@ def flash_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k_pages = k_cache.view(-1, page_size, *k_cache.shape[1:])
     v_pages = v_cache.view(-1, page_size, *v_cache.shape[1:])
     window_size = (window - 1, 0) if window is not None else (-1, -1)
-    if batch.decode_only:
+    if batch.kv_cache_kernel:
         out = flash_attn_with_kvcache(
             query.unsqueeze(1), k_pages, v_pages, cache_seqlens=batch.context_lens, block_table=batch.block_tables,
             softmax_scale=scaling, causal=True, window_size=window_size, softcap=softcap or 0.0)

@@ -107,6 +107,46 @@ class PagedKVCache:
                 cache[d + n:d + self.page_size].zero_()  # a slice, not an index tensor: nothing to send
             cache[d:d + n].copy_(cache[s:s + n])
 
+    def mark_written(self, blocks: list[int]) -> None:
+        """These blocks were filled whole from elsewhere (the swap space): `prepare` must not zero them."""
+        self._ready[blocks] = True
+
     def data_ptrs(self) -> list[int]:
         """Storage addresses, so tests can prove a weight update left the cache where it was."""
         return [t.data_ptr() for t in self.keys + self.values]
+
+
+class HostKVStorage:
+    """The swap space's K/V: host blocks shaped like the cache's pages, pinned when the cache is on an accelerator
+    (so the copies are plain DMA), untouched until a block is first written, like the cache itself."""
+
+    def __init__(self, cache: PagedKVCache, num_blocks: int) -> None:
+        self.cache = cache
+        self.num_blocks = num_blocks
+        pin = cache.device.type != "cpu"
+        page = (num_blocks, cache.page_size, cache.shape.num_kv_heads, cache.shape.head_dim)
+        self.pages = [torch.empty(page, dtype=cache.dtype, pin_memory=pin) for _ in cache.keys + cache.values]
+
+    def _cache_pages(self) -> list[torch.Tensor]:
+        return [t.view(-1, self.cache.page_size, *t.shape[1:]) for t in self.cache.keys + self.cache.values]
+
+    def copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Cache blocks -> host blocks, every layer (whole pages: a partial last page's tail is copied as it is)."""
+        source = torch.tensor(device_blocks, dtype=torch.long).to(self.cache.device, non_blocking=True)
+        target = torch.tensor(host_blocks, dtype=torch.long)
+        for cache_pages, host_pages in zip(self._cache_pages(), self.pages):
+            host_pages.index_copy_(0, target, cache_pages.index_select(0, source).to("cpu"))
+
+    def copy_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Host blocks -> cache blocks, every layer; the cache blocks count as written."""
+        source = torch.tensor(host_blocks, dtype=torch.long)
+        target = torch.tensor(device_blocks, dtype=torch.long).to(self.cache.device, non_blocking=True)
+        non_blocking = self.cache.device.type != "cpu"
+        for cache_pages, host_pages in zip(self._cache_pages(), self.pages):
+            cache_pages.index_copy_(0, target, host_pages.index_select(0, source).to(self.cache.device,
+                                                                                     non_blocking=non_blocking))
+        self.cache.mark_written(device_blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pages)

@@ -113,6 +113,7 @@ class ModelRunner:
         self.device = cache.device
         self.page_size = cache.page_size
         self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
+        self.fast_path_blocks: int | None = None  # flash only: max_blocks_per_request, as the engine resolved it
         if cache.device.type == "cpu":
             cpu_features()  # the one-line CPU summary, logged by the first CPU engine
         self.use_kernel = attention_kernel is not False and not self.use_flash \
@@ -233,7 +234,7 @@ class ModelRunner:
 
         batch = AttentionBatch(cache=self.cache, slots=moved[0], scratch=self.scratch)
         if self.use_flash:
-            batch.flash = build_flash_batch(moved[4:], query_lens, ends)
+            batch.flash = build_flash_batch(moved[4:], query_lens, ends, self.fast_path_blocks)
         elif self.use_kernel:
             batch.kernel = KernelBatch(positions, row_of_token, tables)
         else:
