@@ -7,7 +7,7 @@ with it, its KV waits in a CPU swap space and is copied back. Two shapes: distin
 samples sharing one prompt. One invocation, same requests:
 
     python benchmarks/cpu_offload.py
-    python benchmarks/cpu_offload.py --model w1 --prompt-len 1024 --new-tokens 256 --room-for 2
+    python benchmarks/cpu_offload.py --model w1 --prompt-len 384 --new-tokens 128 --prompts 16
 """
 
 from __future__ import annotations
@@ -41,12 +41,15 @@ def run(model, prompts: list[list[int]], n: int, new_tokens: int, num_blocks: in
     wall = time.perf_counter() - start
     stats = engine.stats()
     generated = sum(len(o.generated_tokens) for o in outputs.values())
+    errors = [o.error for o in outputs.values() if o.error is not None]
+    if errors:
+        log(f"{len(errors)} sequences failed, e.g.: {errors[0]}")
     return dict(wall_s=wall, tok_s=generated / wall, steps=stats.steps, preemptions=stats.preemptions,
                 prefill=stats.prefill_tokens,
                 recomputed=stats.prefill_tokens + stats.prefix_hit_tokens - sum(map(len, prompts)),
                 hits=stats.prefix_hit_tokens, out_blocks=stats.swapped_out_blocks, in_blocks=stats.swapped_in_blocks,
                 tokens={rid: o.generated_tokens for rid, o in outputs.items()},
-                failed=sum(o.error is not None for o in outputs.values()))
+                failed=len(errors))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offload-gib", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=2, help="best wall-clock of this many runs per row")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workloads", default="distinct,groups", help="distinct, groups or both")
     p.add_argument("--model", default="smollm2-135m", choices=["w1", *REAL_SHAPES],
                    help="w1 (25.7M) or a real shape with random weights")
     args = p.parse_args(argv)
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(0)
     blocks = args.room_for * -(-(args.prompt_len + args.new_tokens) // PAGE)
     rows = []
-    for label, count, n in (("distinct prompts", args.prompts, 1), ("groups of 4", args.prompts // 4, 4)):
+    workloads = {"distinct": ("distinct prompts", args.prompts, 1), "groups": ("groups of 4", args.prompts // 4, 4)}
+    for label, count, n in (workloads[name] for name in args.workloads.split(",")):
         prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
         results = {}
         for offload in (0.0, args.offload_gib):

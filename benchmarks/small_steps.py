@@ -1,13 +1,13 @@
 """Steps of a few rows on CPU: `F.linear` (MKL) vs the engine's oneDNN-packed copies vs MKL's packed copies vs the
-small-rows C kernel (csrc/small_matmul.c), the measurement behind the small-step rules in
-rollout/engine/cpu/features.py (UNPACKED_MAX_ROWS_INTEL, UNPACKED_MAX_ROWS_MKL_PACKED, SMALL_MATMUL_ROWS);
-benchmarks/linear_backends.py compares the two packed copies at every row count.
+small-rows C kernel (csrc/small_matmul.c): what the timed choice of rollout/engine/cpu/linear_timing.py rests on
+(SMALL_MATMUL_ROWS in features.py); benchmarks/linear_backends.py compares the two packed copies at every row count.
 
 1. One pass over all of W1's linear weights (8 layers and the lm_head, distinct tensors: ~103 MB, more than a last-level
    cache, as in a decode step) at 1-16 rows, with each kernel, alternated, best of `--rounds`.
-2. The engine itself: greedy requests of `--new-tokens` tokens, 1, 4 and 8 at once (that many rows per decode step),
-   with oneDNN's packed copies at every size, with `F.linear` up to `--limit` rows, and as shipped (MKL's copies or
-   the small-rows kernel where they serve, see the CPU line), alternated on the same engine.
+2. The engine itself: greedy requests of `--new-tokens` tokens, 1, 2, 4 and 8 at once (that many rows per decode
+   step), with oneDNN's packed copies at every size, with `F.linear` up to `--limit` rows, with the vendor rule the
+   engine had before its choice was timed (`F.linear` at 1-2 rows, the small-rows kernel at 3-8 where built), and as
+   shipped (see the CPU line), alternated on the same engine.
 
     python benchmarks/small_steps.py
     python benchmarks/small_steps.py --compile-level 1 --limit 4
@@ -71,13 +71,14 @@ def engine_rows(args) -> list[list]:
     linears = engine.runner.linears
     if linears is None:
         raise SystemExit("this engine does not pack its linears (no oneDNN here?)")
-    shipped = (linears.mkl, linears.unpacked_max_rows, linears.small_matmul)
-    settings = {"f_linear": (False, args.limit, False), "onednn_packed": (False, 0, False),
-                "shipped": shipped}  # (MKL's copies?, F.linear up to this many rows, the small-rows kernel?)
+    shipped = (linears.mkl, linears.unpacked_max_rows, linears.small_matmul, linears.small_rows)
+    # (MKL's copies?, F.linear up to this many rows, the small-rows kernel?, at which rows)
+    settings = {"f_linear": (False, args.limit, False, (3, 8)), "onednn_packed": (False, 0, False, (3, 8)),
+                "vendor_rule": (False, 2, linears.small_matmul, (3, 8)), "shipped": shipped}
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     out = []
-    for streams in (1, 4, 8):
+    for streams in (1, 2, 4, 8):
         prompts = [torch.randint(0, model.config.vocab_size, (64,), generator=gen).tolist() for _ in range(streams)]
 
         def generate(prompts=prompts):
@@ -88,18 +89,18 @@ def engine_rows(args) -> list[list]:
 
         times: dict[str, float] = {}
         for rnd in range(args.rounds + 1):  # a warm-up round, then timed rounds
-            for name, (mkl, limit, small) in settings.items():
+            for name, (mkl, limit, small, small_rows) in settings.items():
                 if linears.mkl != mkl:
                     linears.use_mkl(mkl)
-                linears.unpacked_max_rows, linears.small_matmul = limit, small
+                linears.unpacked_max_rows, linears.small_matmul, linears.small_rows = limit, small, small_rows
                 start = time.perf_counter()
                 generate()
                 if rnd:
                     times[name] = min(times.get(name, float("inf")), time.perf_counter() - start)
         linears.use_mkl(shipped[0])
         ms = {name: seconds / args.new_tokens * 1e3 for name, seconds in times.items()}
-        out.append([f"engine step, {streams} row(s), level {args.compile_level} (ms per step)", f"{ms['f_linear']:.2f}",
-                    f"{ms['onednn_packed']:.2f}", "-", f"{ms['shipped']:.2f} (as shipped)"])
+        out.append([f"{streams} row(s), level {args.compile_level}", *(f"{ms[name]:.2f}" for name in settings),
+                    f"{ms['vendor_rule'] / ms['shipped']:.2f}x"])
     return out
 
 
@@ -115,9 +116,10 @@ def main() -> None:
     from rollout.engine.cpu.features import cpu_features
 
     log(f"CPU: {cpu_features().describe()}")
-    rows = linear_pass_rows(args.rounds) + engine_rows(args)
     print(format_table(["measure (fp32)", "F.linear ms", "oneDNN packed ms", "MKL packed ms",
-                        "small-rows kernel ms"], rows))
+                        "small-rows kernel ms"], linear_pass_rows(args.rounds)))
+    print(format_table(["engine decode step (fp32, ms)", f"F.linear up to {args.limit} rows", "oneDNN packed",
+                        "vendor rule (before)", "as shipped", "shipped speedup"], engine_rows(args)))
 
 
 if __name__ == "__main__":

@@ -102,8 +102,9 @@ class ContinuousBatchingConfig:
     # CPU only: attend with the C kernel (rollout/engine/cpu/csrc, built with the system compiler at first use)
     # instead of page gathers + SDPA. None: the kernel when it builds (fp32/bf16 caches), else the PyTorch path.
     cpu_attention_kernel: bool | None = None
-    # CPU only: run fp32/bf16 linears on prepacked weight copies (oneDNN's; for fp32 on Intel CPUs MKL's; faster except
-    # at steps of a few rows, which keep F.linear or a C kernel; costs one extra copy of the linear weights in RAM).
+    # CPU only: run fp32/bf16 linears on prepacked weight copies (oneDNN's; for fp32 MKL's where timed faster; faster
+    # except at steps of a few rows, which keep F.linear or a C kernel; costs one extra copy of the linear weights in
+    # RAM).
     # None: packs the dtypes this CPU and torch build support (bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
     # elsewhere bf16 keeps F.linear, same tokens). True: error if the model's dtype cannot be packed here.
     prepack_weights: bool | None = None

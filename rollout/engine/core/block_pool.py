@@ -108,6 +108,11 @@ class BlockPool:
         self.ref_counts[block] += 1
         return block
 
+    def is_referenced(self, key: int) -> bool:
+        """Whether the block cached under `key` is held by some sequence now (a lookup would cost no free block)."""
+        block = self._hash_to_block.get(key) if self.enable_prefix_cache else None
+        return block is not None and self.ref_counts[block] > 0
+
     def register(self, block: int, key: int) -> bool:
         """Publish a full, computed block under `key`; False if caching is off or another block already holds it."""
         if not self.enable_prefix_cache or key in self._hash_to_block or block in self._block_to_hash:

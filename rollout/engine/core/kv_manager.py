@@ -69,11 +69,12 @@ class KVManager:
         """The most of `num` more tokens of `request` that fit now (0: not one), after reclaiming its blocks behind
         the window and freeing kept KV for them. Allocates nothing."""
         self.reclaim(request)
-        needed = self.blocks_for(request.num_computed + num) - len(request.block_table)
+        held = len(request.block_table) + self._resident_head(request)
+        needed = self.blocks_for(request.num_computed + num) - held
         self.free_kept_for(needed)
         if needed <= self.pool.num_free:
             return num
-        room = (len(request.block_table) + self.pool.num_free) * self.page_size - request.num_computed
+        room = (held + self.pool.num_free) * self.page_size - request.num_computed
         return max(0, min(num, room))
 
     def allocate(self, request: Request, num: int) -> None:
@@ -193,9 +194,19 @@ class KVManager:
             count += 1
         return count
 
+    def _resident_head(self, request: Request) -> int:
+        """How many leading blocks of a swapped-out request another sequence holds in the prefix cache (a group's
+        shared prompt): `_swap_in` takes them from there, so they need no free block."""
+        count, start = 0, len(request.block_table)
+        while (count < len(request.host_blocks) and start + count < request.num_hashed_blocks
+               and self.pool.is_referenced(request.block_hashes[start + count])):
+            count += 1
+        return count
+
     def _swap_in(self, request: Request) -> None:
         """Bring a swapped-out request's blocks back: its hashed blocks still in the prefix cache are reused, the
-        others are allocated and copied from the swap space (`fit` counted them all)."""
+        others are allocated and copied from the swap space (`fit` counted them) and the hashed ones among those
+        published again (their contents are what was published before)."""
         host, request.host_blocks = request.host_blocks, []
         start = len(request.block_table)
         table: list[int | None] = []
@@ -207,6 +218,9 @@ class KVManager:
         for i, block in zip(copies, fresh):
             table[i] = block
         self.swap.copy_in([host[i] for i in copies], fresh)
+        for i, block in zip(copies, fresh):  # published again, so the sequence's siblings swap in onto them
+            if start + i < request.num_hashed_blocks:
+                self.pool.register(block, request.block_hashes[start + i])
         self.swap.release(host)
         request.block_table.extend(table)
 

@@ -5,8 +5,8 @@ Why: the engine's CPU fast paths depend on the instruction set. oneDNN packs bf1
 raises for bf16 while fp32 packs fine. So each dtype is probed by actually packing a small weight and comparing the
 packed matmul with `F.linear`: the probe, not the CPU flags, decides, and a dtype that fails keeps `F.linear` (same
 tokens, just unpacked). torch's own bf16 device check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is recorded as
-an extra signal only. MKL's packed sgemm (mkl_packed.py), which packs the fp32 copies on Intel CPUs, is probed the
-same way: a packed weight's products compared with `F.linear`.
+an extra signal only. MKL's packed sgemm (mkl_packed.py) is probed the same way: a packed weight's products compared
+with `F.linear`. Which of the fp32 backends that pass serves which steps is then timed (linear_timing.py).
 
 ISA flags come from torch's CPUID reader (`torch.cpu.get_capabilities`), which sees the CPU the code actually runs on,
 also under an emulator (qemu-user shows the host's /proc/cpuinfo); /proc/cpuinfo is only the fallback for torch
@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu import mkl_packed
 from rollout.engine.cpu.isa import ISA_FLAGS, KernelBuild, isa_flags
 from rollout.engine.cpu.kernel import kernel_build
+from rollout.engine.cpu.linear_timing import LinearTimings, time_linears
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +39,16 @@ PACK_BATCH_HINT = 256
 # The fused SiLU gate (packed_linear.run_silu_gate) is fp32 only: in bf16 eager rounds the gate to bf16 before the
 # SiLU and the fused post-op would not, so a bf16 model would sample from slightly different logits than eager.
 SILU_GATE_DTYPES = (torch.float32,)
-# Steps of at most this many rows run fp32 linears through F.linear (MKL) instead of oneDNN's packed copies, on Intel
-# CPUs with an MKL torch whose packed sgemm is not used (below): reading each weight once for a few rows, MKL's sgemv
-# streams the weights faster there (benchmarks/RESULTS.md, "Small steps"). On AMD EPYC the packed copies already
-# stream well, and MKL runs generic code paths there, so it keeps them. ROLLOUT_UNPACKED_MAX_ROWS overrides (0: never).
-UNPACKED_MAX_ROWS_INTEL = 4
-# Where MKL's packed sgemm serves fp32 linears (mkl_packed.py, Intel CPUs): it is faster from 3-4 rows on, MKL's sgemv
-# on the weights as stored at 1-2 (RESULTS.md, "Linears"). A compiled one-row decode step runs 2 rows
-# (compiled_forward.MIN_DIM).
-UNPACKED_MAX_ROWS_MKL_PACKED = 2
+# Which fp32 backend serves which steps (MKL's or oneDNN's packed copies; F.linear on the weights as stored for steps
+# of a few rows) is timed on this CPU (linear_timing.py), not read off its vendor name. ROLLOUT_UNPACKED_MAX_ROWS
+# overrides the small-step rule (0: the packed copies at every row count).
 ENV_UNPACKED_MAX_ROWS = "ROLLOUT_UNPACKED_MAX_ROWS"
 # fp32 linears of steps with this many rows run the C kernel csrc/small_matmul.c on the weights as stored, where it
 # is built for AVX-512 (PackedLinears.unpacked_linear): at a few rows a step's linears are bound by streaming the
-# weights from memory, which the kernel does faster than oneDNN or MKL at 3-8 rows; at 1-2 rows MKL's sgemv is as
-# fast or faster (unpacked_max_rows below). Built for AVX2 it was slower than the packed copies at 8 rows, so other
-# builds keep them. Where MKL's packed sgemm serves (faster still at 2-8 rows), the kernel is not used. The figures:
-# benchmarks/results-history.md, "Serving" (why c=8 was behind).
+# weights from memory, which the kernel does faster than oneDNN or MKL at 3-8 rows; at 1-2 rows it takes them too where
+# it is timed faster there (linear_timing.py: on an AMD EPYC it was, on an Intel Ice Lake MKL's sgemv was as fast).
+# Built for AVX2 it was slower than the packed copies at 8 rows, so other builds keep them. Where MKL's packed sgemm
+# serves (faster still at 2-8 rows), the kernel is not used. The figures: benchmarks/results-history.md, "Serving".
 SMALL_MATMUL_ROWS = (3, 8)
 SMALL_MATMUL_ISAS = ("avx512f",)
 
@@ -71,6 +67,8 @@ class CpuFeatures:
     packing_errors: tuple[tuple[str, str], ...] = ()  # (dtype name, why its probe failed)
     silu_gate_dtypes: frozenset[torch.dtype] = frozenset()  # dtypes whose oneDNN fused SiLU-gate probe passed
     unpacked_max_rows: int = 0  # fp32 linears of steps with at most this many rows use F.linear (MKL)
+    linear_timings: LinearTimings | None = None  # what decided the fp32 choices (None: fp32 is not packed)
+    small_matmul_low: int = SMALL_MATMUL_ROWS[0]  # the fewest rows the small-rows kernel takes (timed: 1-3)
     kernel: KernelBuild = field(default_factory=lambda: KernelBuild(False, reason="not probed"))
     # fp32 packed copies are MKL's (mkl_packed.py) rather than oneDNN's; else why not
     mkl_packed: bool = False
@@ -80,6 +78,11 @@ class CpuFeatures:
     def small_matmul_kernel(self) -> bool:
         """Whether the small-rows C kernel is built here for an ISA it serves (SMALL_MATMUL_ISAS)."""
         return self.kernel.available and self.kernel.isa in SMALL_MATMUL_ISAS
+
+    @property
+    def small_matmul_rows(self) -> tuple[int, int]:
+        """The row counts whose fp32 linears the small-rows kernel runs, where it does (`small_matmul`)."""
+        return self.small_matmul_low, SMALL_MATMUL_ROWS[1]
 
     @property
     def small_matmul(self) -> bool:
@@ -111,7 +114,7 @@ class CpuFeatures:
         if not self.onednn:
             packing = "unavailable (torch built without oneDNN)"
         fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.gate_dtypes) or "no"
-        low, high = SMALL_MATMUL_ROWS
+        low, high = self.small_matmul_rows
         f_linear_rows = min(self.unpacked_max_rows, low - 1) if self.small_matmul else self.unpacked_max_rows
         parts = [f"F.linear (MKL) up to {f_linear_rows} rows"] if f_linear_rows else []
         if self.small_matmul:
@@ -120,7 +123,8 @@ class CpuFeatures:
         by_mkl = "yes" if self.mkl_packed else f"no ({self.mkl_packed_reason})"
         return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
                 f"oneDNN packed linear: {packing}; fp32 packed copies by MKL: {by_mkl}; fused SiLU gate: {fused}; "
-                f"fp32 linears of small steps: {small}; attention kernel: {self.kernel.describe()}")
+                f"fp32 linears of small steps: {small}; attention kernel: {self.kernel.describe()}"
+                + (f"; {self.linear_timings.describe()}" if self.linear_timings is not None else ""))
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -183,14 +187,9 @@ def probe_silu_gate(dtype: torch.dtype) -> str:
     return ""
 
 
-def _intel(cpu_name: str) -> bool:
-    return "intel" in cpu_name.lower()
-
-
-def unpacked_max_rows(cpu_name: str, mkl_packed: bool = False) -> int:
-    """How many rows a step may have for its fp32 linears to skip the packed copies (see UNPACKED_MAX_ROWS_INTEL):
-    $ROLLOUT_UNPACKED_MAX_ROWS when set, else UNPACKED_MAX_ROWS_MKL_PACKED where MKL packs the fp32 copies,
-    UNPACKED_MAX_ROWS_INTEL on another Intel CPU (by its CPUID name) with an MKL torch, else 0."""
+def unpacked_max_rows(timings: LinearTimings | None, mkl_packed: bool = False) -> int:
+    """How many rows a step may have for its fp32 linears to skip the packed copies: $ROLLOUT_UNPACKED_MAX_ROWS when
+    set, else as far as F.linear measured faster than the copies chosen (`mkl_packed`: MKL's), else 0."""
     value = os.environ.get(ENV_UNPACKED_MAX_ROWS, "").strip()
     if value:
         try:
@@ -201,20 +200,32 @@ def unpacked_max_rows(cpu_name: str, mkl_packed: bool = False) -> int:
             raise ValueError(f"{ENV_UNPACKED_MAX_ROWS}={value!r}: expected a row count >= 0 (0 keeps the packed "
                              "copies for every step)")
         return rows
-    if mkl_packed:
-        return UNPACKED_MAX_ROWS_MKL_PACKED
-    return UNPACKED_MAX_ROWS_INTEL if _intel(cpu_name) and torch.backends.mkl.is_available() else 0
+    return timings.unpacked_max_rows(mkl_packed) if timings is not None else 0
 
 
-def mkl_packed_reason(cpu_name: str, packed_dtypes: frozenset[torch.dtype]) -> str:
-    """Why MKL's packed sgemm does not pack the fp32 linears here ("" where it does): where fp32 weights are packed at
-    all, on Intel CPUs (measured faster than oneDNN there; on AMD, MKL runs generic code paths) unless
-    ROLLOUT_MKL_PACKED=1 asks for it on any CPU (0: never)."""
+def mkl_packed_reason(packed_dtypes: frozenset[torch.dtype], timings: LinearTimings | None) -> str:
+    """Why MKL's packed sgemm does not pack the fp32 linears here ("" where it does): it packs them where fp32 weights
+    are packed at all, it works, and it measured faster than oneDNN's copies (linear_timing.py), or where
+    ROLLOUT_MKL_PACKED=1 asks for it (0: never)."""
     if torch.float32 not in packed_dtypes:
         return "fp32 linears are not packed here"
-    if not _intel(cpu_name) and not mkl_packed.forced():
-        return f"not an Intel CPU ({mkl_packed.ENV_SWITCH}=1 uses it anyway)"
-    return mkl_packed.unavailable_reason()
+    unavailable = mkl_packed.unavailable_reason()
+    if unavailable or mkl_packed.forced():
+        return unavailable
+    if timings is None or not timings.mkl_wins():
+        return f"measured no faster than oneDNN's copies here ({mkl_packed.ENV_SWITCH}=1 uses it anyway)"
+    return ""
+
+
+def measure_linears(packed_dtypes: frozenset[torch.dtype], build: KernelBuild) -> LinearTimings | None:
+    """The fp32 backends timed on this CPU (None where fp32 weights are not packed: F.linear serves every step);
+    the small-rows kernel where it is built for an ISA it serves."""
+    if torch.float32 not in packed_dtypes:
+        return None
+    small = build.available and build.isa in SMALL_MATMUL_ISAS
+    return time_linears(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
+                        mkl_packed.MklPackedWeight if mkl_packed.available() else None,
+                        cpu_kernel.small_matmul if small else None)
 
 
 def _onednn_bf16_device() -> bool | None:
@@ -230,16 +241,19 @@ def detect() -> CpuFeatures:
     onednn = torch.backends.mkldnn.is_available()
     errors = {_name(d): probe_packed_linear(d) if onednn else "torch built without oneDNN" for d in PROBE_DTYPES}
     packed = frozenset(d for d in PROBE_DTYPES if not errors[_name(d)])
-    cpu_name = _cpu_name()
-    mkl_reason = mkl_packed_reason(cpu_name, packed)
+    build = kernel_build()
+    timings = measure_linears(packed, build)
+    mkl_reason = mkl_packed_reason(packed, timings)
     silu_gate = frozenset(d for d in SILU_GATE_DTYPES if d in packed and not probe_silu_gate(d))
     return CpuFeatures(
-        machine=platform.machine(), cpu_name=cpu_name, isa=isa_flags(),
+        machine=platform.machine(), cpu_name=_cpu_name(), isa=isa_flags(),
         torch_capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn,
         onednn_bf16_device=_onednn_bf16_device(),
         packed_dtypes=packed, packing_errors=tuple((name, why) for name, why in errors.items() if why),
-        silu_gate_dtypes=silu_gate, unpacked_max_rows=unpacked_max_rows(cpu_name, not mkl_reason),
-        kernel=kernel_build(), mkl_packed=not mkl_reason, mkl_packed_reason=mkl_reason)
+        silu_gate_dtypes=silu_gate, unpacked_max_rows=unpacked_max_rows(timings, not mkl_reason),
+        linear_timings=timings, kernel=build, mkl_packed=not mkl_reason, mkl_packed_reason=mkl_reason,
+        small_matmul_low=timings.small_matmul_low(not mkl_reason, SMALL_MATMUL_ROWS[0]) if timings
+        else SMALL_MATMUL_ROWS[0])
 
 
 @functools.lru_cache(maxsize=1)

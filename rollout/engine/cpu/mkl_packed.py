@@ -1,5 +1,5 @@
 """MKL's packed sgemm (`cblas_sgemm_pack` / `cblas_sgemm_compute`), reached inside torch's own library, for the
-engine's fp32 linears on Intel CPUs.
+engine's fp32 linears where it measures faster than oneDNN's packed copies.
 
 Why: MKL keeps a weight in its own packed layout, and its compute on that layout beat oneDNN's packed matmul at
 every row count we measured on Intel CPUs (benchmarks/linear_backends.py; the table is in benchmarks/RESULTS.md,
@@ -16,8 +16,8 @@ changes (a packed matrix must not move). Repacking after a weight update is fast
 
 Where: used only where `available()` says so: a torch with MKL whose library exports the functions, a probe that
 compares packed results with `F.linear` at several row counts passes, and `ROLLOUT_MKL_PACKED` is not 0. The engine
-uses it on Intel CPUs (cpu/features.py): on AMD, MKL runs generic code paths and oneDNN keeps the linears, unless
-`ROLLOUT_MKL_PACKED=1` asks for MKL on any CPU.
+uses it where it is also timed faster than oneDNN's copies on this CPU (cpu/linear_timing.py; on AMD EPYCs MKL can
+run generic code paths), unless `ROLLOUT_MKL_PACKED=1` asks for it on any CPU.
 """
 
 from __future__ import annotations
@@ -129,12 +129,12 @@ def _switch() -> str:
     value = os.environ.get(ENV_SWITCH, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{ENV_SWITCH}={value!r}: expected 0 (never use MKL's packed sgemm), 1 (use it on any CPU "
-                         "where it works) or unset (on Intel CPUs)")
+                         "where it works) or unset (where it measures faster than oneDNN's copies)")
     return value
 
 
 def forced() -> bool:
-    """Whether $ROLLOUT_MKL_PACKED=1 asks for MKL's copies on any CPU (not only Intel ones)."""
+    """Whether $ROLLOUT_MKL_PACKED=1 asks for MKL's copies on any CPU (not only where they measure faster)."""
     return _switch() == "1"
 
 

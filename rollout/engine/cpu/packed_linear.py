@@ -1,15 +1,15 @@
-"""Prepacked copies of the model's fp32/bf16 linear weights (oneDNN's, or for fp32 on Intel CPUs MKL's), used for the
-engine's forward on CPU.
+"""Prepacked copies of the model's fp32/bf16 linear weights (oneDNN's, or for fp32 MKL's where those measure faster),
+used for the engine's forward on CPU.
 
 Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
 into its blocked layout is faster at the batch sizes that carry the work (benchmarks/RESULTS.md, "Linears"), and it is
-plain fp32 arithmetic (no TF32/bf16 shortcuts). On Intel
-CPUs MKL's own packed sgemm (mkl_packed.py) is faster still at every row count from 3 up, so it packs the fp32 copies
-there. Below that, the weights' streaming from memory decides: on Intel CPUs MKL's sgemv serves steps of 1-2 rows,
-and where oneDNN packs fp32 on AVX-512 builds, steps of 3-8 rows run the C kernel csrc/small_matmul.c
-(cpu_features.UNPACKED_MAX_ROWS_*, SMALL_MATMUL_ROWS). Packed copies of weights stacked along their output rows
-(`stacked_for`) serve the compiled forward's linears of one input as one matmul, and with MKL's copies a gated MLP's
-gate and up projections.
+plain fp32 arithmetic (no TF32/bf16 shortcuts). Where MKL's own packed sgemm (mkl_packed.py) is timed faster still
+(it was at every row count from 3 up on an Intel Ice Lake), it packs the fp32 copies. Below that, the weights'
+streaming from memory decides: F.linear (MKL's sgemv) serves steps of 1-2 rows where it is timed faster than the
+copies, and where oneDNN packs fp32 on AVX-512 builds, steps of 3-8 rows (1-8 where timed faster) run the C kernel
+csrc/small_matmul.c (cpu_features: linear_timing.py, SMALL_MATMUL_ROWS). Packed copies of weights stacked along
+their output rows (`stacked_for`) serve the compiled forward's linears of one input as one matmul, and with MKL's
+copies a gated MLP's gate and up projections.
 bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
 a long run); packed and bucketed (below) it is a little faster and bounded.
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu import mkl_packed
-from rollout.engine.cpu.features import PACK_BATCH_HINT, SMALL_MATMUL_ROWS, cpu_features, unpacked_max_rows
+from rollout.engine.cpu.features import PACK_BATCH_HINT, cpu_features, unpacked_max_rows
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
 from rollout.engine.cpu.packed_copy import PackedCopy, stacked_values
 from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
@@ -145,9 +145,10 @@ class PackedLinears:
         self._checked: tuple[int, list] | None = None
         # Set by use_mkl: `mkl`, fp32 weights packed by MKL rather than oneDNN (mkl_packed.py; None: where
         # cpu_features says so); `gate_dtypes`, whose gated MLPs run gate and up as one op (oneDNN's fused pair,
-        # MKL's stacked copy); `unpacked_max_rows`, fp32 inputs of at most this many rows skip the packed copies:
-        # F.linear (MKL's sgemv, cpu_features.unpacked_max_rows) or, from SMALL_MATMUL_ROWS[0] rows on,
-        # `small_matmul`, the small-rows kernel where it is built (not with MKL's copies: those are faster there).
+        # MKL's stacked copy); `unpacked_max_rows`, fp32 inputs of at most this many rows skip the packed copies for
+        # F.linear (MKL's sgemv, where timed faster: cpu_features.unpacked_max_rows); `small_matmul`, inputs of
+        # `small_rows` rows run the small-rows kernel where it is built (not with MKL's copies: those are
+        # faster there).
         self.use_mkl(cpu_features().mkl_packed if mkl is None else mkl)
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
@@ -177,9 +178,12 @@ class PackedLinears:
         features = cpu_features()
         self.mkl = enabled and torch.float32 in self.dtypes
         self.gate_dtypes = features.gate_dtypes_for(self.mkl)
-        self.small_matmul = features.small_matmul_kernel and torch.float32 in self.dtypes and not self.mkl
-        self.unpacked_max_rows = max(unpacked_max_rows(features.cpu_name, self.mkl),
-                                     SMALL_MATMUL_ROWS[1] if self.small_matmul else 0)
+        self.small_matmul = (features.small_matmul_kernel and torch.float32 in self.dtypes and not self.mkl
+                             and cpu_kernel.load_kernel() is not None)  # the library may have gone since detection
+        self.small_rows = features.small_matmul_rows
+        self.unpacked_max_rows = unpacked_max_rows(features.linear_timings, self.mkl)
+        if self.small_matmul:  # F.linear's window ends where the small-rows kernel's begins
+            self.unpacked_max_rows = min(self.unpacked_max_rows, self.small_rows[0] - 1)
         self._packs.clear()
         self._stacks.clear()
         self._overrides = self._checked = None
@@ -279,7 +283,7 @@ class PackedLinears:
 
     def unpacked_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` where no packed copy serves it (`packed_for` gave None); inside a forward on
-        this thread, fp32 inputs of SMALL_MATMUL_ROWS rows run the small-rows kernel on the weight as stored."""
+        this thread, fp32 inputs of `small_rows` rows run the small-rows kernel on the weight as stored."""
         if self._small_matmul_serves(x, weight, bias):
             return cpu_kernel.small_matmul(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -291,7 +295,7 @@ class PackedLinears:
             return False  # not this thread's forward (a trainer's keeps F.linear and its autograd), or a view
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             return False
-        return SMALL_MATMUL_ROWS[0] <= x.numel() // x.shape[-1] <= SMALL_MATMUL_ROWS[1]
+        return self.small_rows[0] <= x.numel() // x.shape[-1] <= self.small_rows[1]
 
     def packed_for(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """Inside a forward on this thread (`with linears:` or `serving()`): the packed copy that serves
@@ -307,10 +311,15 @@ class PackedLinears:
 
     def _packed_input(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether packed copies of weights of `dtype` serve input `x`: not for another dtype or an empty input, nor
-        for fp32 inputs of at most `unpacked_max_rows` rows (`unpacked_linear` is faster there)."""
+        for fp32 inputs of at most `unpacked_max_rows` rows or, where the small-rows kernel serves, of
+        `small_rows` rows (`unpacked_linear` is faster there)."""
         if x.dtype != dtype or not x.numel():
             return False
-        return x.dtype != torch.float32 or x.numel() > self.unpacked_max_rows * x.shape[-1]
+        if x.dtype != torch.float32:
+            return True
+        rows = x.numel() // x.shape[-1]
+        return rows > self.unpacked_max_rows and not (
+            self.small_matmul and self.small_rows[0] <= rows <= self.small_rows[1])
 
     def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that

@@ -210,3 +210,20 @@ def test_random_traces_with_swaps_cancels_and_weight_updates_leak_nothing(seed, 
     assert sched.pool.num_free == sched.pool.num_blocks and not sched.groups
     if sched.kv.swap is not None:
         assert sched.kv.swap.num_free == sched.kv.swap.num_blocks
+
+
+def test_a_group_swapped_in_after_its_prompt_left_the_cache_shares_it_again():
+    sched, kv = make(num_blocks=16, swap_blocks=32)
+    sched.add(group("g", list(range(1, 10)), n=3, max_new_tokens=8))  # 2 full prompt blocks, shared by 3
+    while len(sched.running) < 3:
+        step(sched, kv)
+    for request in reversed(list(sched.running)):
+        sched._preempt(request)
+    assert all(r.host_blocks for r in sched.waiting)
+    sched.pool.release(sched.pool.allocate(sched.pool.num_free))  # evicts every cached block: the prompt is gone
+    assert sched.pool.num_cached == 0
+    while sched.waiting:
+        step(sched, kv)
+    heads = {tuple(r.block_table[:2]) for r in sched.running}
+    assert len(heads) == 1, "the first to swap in publishes the prompt blocks, the others reuse them"
+    drain(sched, kv)

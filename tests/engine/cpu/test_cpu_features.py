@@ -11,14 +11,14 @@ from transformers import GenerationConfig
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine.cpu.features import (
     ENV_UNPACKED_MAX_ROWS,
-    UNPACKED_MAX_ROWS_INTEL,
-    UNPACKED_MAX_ROWS_MKL_PACKED,
     CpuFeatures,
     KernelBuild,
     cpu_features,
     probe_packed_linear,
     unpacked_max_rows,
 )
+from rollout.engine.cpu.linear_timing import LinearTimings
+from rollout.engine.cpu.mkl_packed import forced as mkl_packed_forced
 from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT, PackedLinears
 from tests.helpers.cpu import BF16_ERROR
 from tests.helpers.models import random_prompts, run_engine, tiny_model
@@ -124,12 +124,13 @@ def test_describe_names_every_fallback_and_why():
         machine="x86_64", cpu_name="AMD EPYC 7702", isa=frozenset({"sse4_2", "avx2", "fma3"}),
         torch_capability="AVX2", onednn=True, onednn_bf16_device=False, packed_dtypes=frozenset({torch.float32}),
         packing_errors=(("bfloat16", BF16_ERROR),), silu_gate_dtypes=frozenset({torch.float32}),
-        kernel=KernelBuild(True, march="native", isa="avx2", openmp=False), mkl_packed_reason="not an Intel CPU")
+        kernel=KernelBuild(True, march="native", isa="avx2", openmp=False),
+        mkl_packed_reason="measured no faster than oneDNN's copies here")
     assert features.describe() == (
         "x86_64 AMD EPYC 7702 [sse4_2 avx2 fma3]; torch CPU capability AVX2; oneDNN packed linear: float32 yes, "
-        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fp32 packed copies by MKL: no (not an Intel "
-        "CPU); fused SiLU gate: float32; fp32 linears of small steps: packed; attention kernel: -march=native avx2, "
-        "single-threaded (no OpenMP)")
+        f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fp32 packed copies by MKL: no (measured no "
+        "faster than oneDNN's copies here); fused SiLU gate: float32; fp32 linears of small steps: packed; "
+        "attention kernel: -march=native avx2, single-threaded (no OpenMP)")
     intel = CpuFeatures(
         machine="x86_64", cpu_name="Intel Xeon", isa=frozenset({"avx512_f"}), torch_capability="AVX512", onednn=True,
         onednn_bf16_device=True, packed_dtypes=frozenset({torch.float32, torch.bfloat16}),
@@ -147,18 +148,62 @@ def test_describe_names_every_fallback_and_why():
                                "unavailable (no C compiler found)")
 
 
-def test_small_steps_skip_the_packed_copies_on_intel_with_mkl_or_as_the_environment_says(monkeypatch):
+def timings(f_linear, onednn, mkl=None):
+    """LinearTimings with these seconds at rows 1, 2, 4, 8, 32."""
+    rows = (1, 2, 4, 8, 32)
+    seconds = {"f_linear": dict(zip(rows, f_linear)), "onednn": dict(zip(rows, onednn))}
+    return LinearTimings({**seconds, **({"mkl": dict(zip(rows, mkl))} if mkl else {})})
+
+
+def test_the_fp32_backends_are_chosen_by_their_clocks_not_the_vendor(monkeypatch):
     monkeypatch.delenv(ENV_UNPACKED_MAX_ROWS, raising=False)
-    intel = UNPACKED_MAX_ROWS_INTEL if torch.backends.mkl.is_available() else 0
-    assert unpacked_max_rows("Intel Xeon 2.60GHz") == intel
-    assert unpacked_max_rows("Intel Xeon 2.60GHz", mkl_packed=True) == UNPACKED_MAX_ROWS_MKL_PACKED
-    assert unpacked_max_rows("AMD EPYC 7702") == 0 and unpacked_max_rows("") == 0
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
-    assert unpacked_max_rows("Intel Xeon 2.60GHz") == 0
+    ice_lake = timings(f_linear=[8, 9, 12, 20, 60], onednn=[12, 12, 13, 16, 40], mkl=[10, 10, 10, 12, 30])
+    assert ice_lake.mkl_wins() and unpacked_max_rows(ice_lake, mkl_packed=True) == 2
+    assert unpacked_max_rows(ice_lake, mkl_packed=False) == 2
+    generic_mkl = timings(f_linear=[10, 40, 40, 40, 60], onednn=[12, 13, 13, 16, 40], mkl=[11, 40, 40, 40, 55])
+    assert not generic_mkl.mkl_wins() and unpacked_max_rows(generic_mkl) == 1
+    near_tie = timings(f_linear=[11.5, 20, 20, 20, 60], onednn=[12, 12, 13, 16, 40], mkl=[12, 12, 13, 15, 38])
+    assert not near_tie.mkl_wins() and unpacked_max_rows(near_tie) == 0, "a near-tie keeps the incumbent"
+    no_mkl = timings(f_linear=[5, 5, 5, 20, 60], onednn=[12, 12, 13, 16, 40])
+    assert not no_mkl.mkl_wins() and unpacked_max_rows(no_mkl) == 4
+    assert unpacked_max_rows(None) == 0, "where fp32 is not packed nothing was timed"
+    micro = timings(f_linear=[5e-6, 5e-6, 5e-6, 2e-5, 6e-5], onednn=[1.2e-5, 1.2e-5, 1.3e-5, 1.6e-5, 4e-5])
+    assert "fp32 linears by rows: f_linear 1:5/2:5/4:5/8:20/32:60, onednn 1:12/" in micro.describe()
+
+
+def test_the_small_rows_kernel_takes_one_and_two_rows_where_it_is_timed_faster():
+    amd = timings(f_linear=[24, 43, 38, 50, 84], onednn=[18, 21, 14, 21, 35])
+    amd.seconds["small"] = {1: 14, 2: 13}
+    assert amd.small_matmul_low(mkl=False, built_low=3) == 1 and amd.unpacked_max_rows(mkl=False) == 0
+    only_two = timings(f_linear=[10, 43, 38, 50, 84], onednn=[18, 21, 14, 21, 35])
+    only_two.seconds["small"] = {1: 14, 2: 13}
+    assert only_two.small_matmul_low(mkl=False, built_low=3) == 2, "F.linear keeps the one-row steps it wins"
+    sgemv = timings(f_linear=[8, 9, 12, 20, 60], onednn=[12, 12, 13, 16, 40])
+    sgemv.seconds["small"] = {1: 9, 2: 12}
+    assert sgemv.small_matmul_low(mkl=False, built_low=3) == 3
+    assert timings(f_linear=[1] * 5, onednn=[1] * 5).small_matmul_low(False, 3) == 3, "not built: not timed"
+
+
+def test_the_environment_overrides_the_small_step_rule(monkeypatch):
+    fast_f_linear = timings(f_linear=[1, 1, 1, 20, 60], onednn=[12, 12, 13, 16, 40])
     for value, rows in (("0", 0), (" 8 ", 8)):
         monkeypatch.setenv(ENV_UNPACKED_MAX_ROWS, value)
-        assert unpacked_max_rows("AMD EPYC 7702") == rows and unpacked_max_rows("Intel Xeon") == rows
+        assert unpacked_max_rows(fast_f_linear) == rows and unpacked_max_rows(None, mkl_packed=True) == rows
     for bad in ("-1", "four"):
         monkeypatch.setenv(ENV_UNPACKED_MAX_ROWS, bad)
         with pytest.raises(ValueError, match=rf"{ENV_UNPACKED_MAX_ROWS}=.*row count >= 0"):
-            unpacked_max_rows("Intel Xeon")
+            unpacked_max_rows(None)
+
+
+def test_this_cpu_was_timed_and_the_choice_follows_the_clocks(monkeypatch):
+    monkeypatch.delenv(ENV_UNPACKED_MAX_ROWS, raising=False)
+    features = cpu_features()
+    if torch.float32 not in features.packed_dtypes:
+        assert features.linear_timings is None
+        return
+    measured = features.linear_timings
+    assert set(measured.seconds) >= {"f_linear", "onednn"} and all(
+        s > 0 for by_rows in measured.seconds.values() for s in by_rows.values())
+    assert features.unpacked_max_rows == unpacked_max_rows(measured, features.mkl_packed)
+    if features.mkl_packed and not mkl_packed_forced():
+        assert measured.mkl_wins()

@@ -1,6 +1,6 @@
 """MKL's packed sgemm for fp32 linears: F.linear's values at any row count and input stride, biases read and never
 written, repacked in its own buffer after a weight update, and used by the engine's forward where cpu_features says
-so (Intel CPUs) or where asked, with the model's tokens."""
+so (where it was timed faster than oneDNN's copies) or where asked, with the model's tokens."""
 
 import pytest
 import torch
@@ -9,7 +9,8 @@ from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine.cpu import mkl_packed
-from rollout.engine.cpu.features import UNPACKED_MAX_ROWS_MKL_PACKED, cpu_features, mkl_packed_reason
+from rollout.engine.cpu.features import cpu_features, mkl_packed_reason, unpacked_max_rows
+from rollout.engine.cpu.linear_timing import LinearTimings
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
 from rollout.engine.cpu.packed_linear import PackedLinears, packing_available
 from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
@@ -78,14 +79,19 @@ def test_the_switch_turns_it_off_or_on_for_any_cpu(monkeypatch, fresh_switch):
     monkeypatch.setenv(mkl_packed.ENV_SWITCH, "0")
     assert mkl_packed.unavailable_reason() == "ROLLOUT_MKL_PACKED=0" and not mkl_packed.available()
     fp32 = frozenset({torch.float32})
-    assert mkl_packed_reason("Intel Xeon", fp32) == "ROLLOUT_MKL_PACKED=0"
+    mkl_faster = LinearTimings({"f_linear": {8: 3.0, 32: 9.0}, "onednn": {8: 2.0, 32: 6.0},
+                                "mkl": {8: 1.0, 32: 3.0}})
+    onednn_faster = LinearTimings({"f_linear": {8: 3.0, 32: 9.0}, "onednn": {8: 1.0, 32: 3.0},
+                                   "mkl": {8: 2.0, 32: 6.0}})
+    assert mkl_packed_reason(fp32, mkl_faster) == "ROLLOUT_MKL_PACKED=0"
     monkeypatch.delenv(mkl_packed.ENV_SWITCH)
     mkl_packed.unavailable_reason.cache_clear()
-    assert mkl_packed_reason("AMD EPYC 7702", fp32) == "not an Intel CPU (ROLLOUT_MKL_PACKED=1 uses it anyway)"
-    assert mkl_packed_reason("Intel Xeon", frozenset()) == "fp32 linears are not packed here"
-    assert mkl_packed_reason("Intel Xeon", fp32) == mkl_packed.unavailable_reason()
+    assert mkl_packed_reason(fp32, onednn_faster) == mkl_packed.unavailable_reason() or (
+        "measured no faster than oneDNN's copies here (ROLLOUT_MKL_PACKED=1 uses it anyway)")
+    assert mkl_packed_reason(frozenset(), mkl_faster) == "fp32 linears are not packed here"
+    assert mkl_packed_reason(fp32, mkl_faster) == mkl_packed.unavailable_reason()
     monkeypatch.setenv(mkl_packed.ENV_SWITCH, "1")
-    assert mkl_packed_reason("AMD EPYC 7702", fp32) == mkl_packed.unavailable_reason()
+    assert mkl_packed_reason(fp32, onednn_faster) == mkl_packed.unavailable_reason()
     monkeypatch.setenv(mkl_packed.ENV_SWITCH, "yes")
     with pytest.raises(ValueError, match=r"ROLLOUT_MKL_PACKED='yes': expected 0 .*, 1 .* or unset"):
         mkl_packed.forced()
@@ -102,11 +108,12 @@ def test_a_wrong_result_fails_the_probe(monkeypatch):
 
 def test_this_machine_uses_it_where_the_rule_says(fresh_detection):
     features = cpu_features()
-    expected = mkl_packed_reason(features.cpu_name, features.packed_dtypes)
+    expected = mkl_packed_reason(features.packed_dtypes, features.linear_timings)
     assert features.mkl_packed == (expected == "")
     assert features.mkl_packed_reason == expected
     if features.mkl_packed:
-        assert features.unpacked_max_rows == UNPACKED_MAX_ROWS_MKL_PACKED and not features.small_matmul
+        assert features.unpacked_max_rows == unpacked_max_rows(features.linear_timings, mkl_packed=True)
+        assert not features.small_matmul
         assert torch.float32 in features.gate_dtypes
         assert "fp32 packed copies by MKL: yes" in features.describe()
     else:
@@ -128,8 +135,9 @@ def _copies(linears: PackedLinears) -> list:
 @needs_mkl
 @pytest.mark.skipif(not packing_available(torch.float32), reason="torch built without oneDNN")
 def test_the_engines_forward_runs_mkls_copies_with_the_models_tokens():
-    """Forced on (whatever the CPU): fp32 linears of 3+ rows run MKL's copies (gate and up as one stacked copy), 1-2
-    rows F.linear; a weight update repacks each copy in its own buffer; greedy tokens are the model's own."""
+    """Forced on (whatever the CPU): fp32 linears run MKL's copies (gate and up as one stacked copy) except at the few
+    rows where F.linear was timed faster; a weight update repacks each copy in its own buffer; greedy tokens are the
+    model's own."""
     model = tiny_model("qwen3")
     engine = LLMEngine(model, GenerationConfig(max_new_tokens=10, do_sample=False),
                        ContinuousBatchingConfig(page_size=8, allow_block_sharing=False))
@@ -141,10 +149,11 @@ def test_the_engines_forward_runs_mkls_copies_with_the_models_tokens():
     mlp = model.model.layers[0].mlp
     assert (id(mlp.gate_proj.weight), id(mlp.up_proj.weight)) in linears._stacks
     with torch.inference_mode(), linears:
-        for rows in (1, UNPACKED_MAX_ROWS_MKL_PACKED, UNPACKED_MAX_ROWS_MKL_PACKED + 1):
+        limit = linears.unpacked_max_rows
+        for rows in sorted({1, limit, limit + 1} - {0}):
             x = torch.randn(1, rows, model.config.intermediate_size)
             packed = linears.packed_for(x, mlp.down_proj.weight)
-            assert (packed is None) == (rows <= UNPACKED_MAX_ROWS_MKL_PACKED), rows
+            assert (packed is None) == (rows <= limit), rows
             assert packed is None or isinstance(packed, MklPackedWeight)
 
     other = tiny_model("qwen3", seed=3)

@@ -97,6 +97,7 @@ def test_the_eager_override_equals_the_modules_forward(make, rows, mkl, monkeypa
     expected = mlp(x)
     linears = PackedLinears(mlp, mkl=mkl)
     linears.unpacked_max_rows = 0  # the fused path at every row count, whatever this CPU's small-step rule
+    linears.small_matmul = False
     calls = []
     run = linears.run_silu_gate
     monkeypatch.setattr(linears, "run_silu_gate", lambda *a: calls.append(1) or run(*a))

@@ -1,0 +1,130 @@
+"""Which fp32 linear backend is fastest on this CPU at each row count, measured once per process, not guessed.
+
+Four ways run an fp32 linear here: `F.linear` on the weight as stored (MKL's sgemm/sgemv in torch's x86 wheels),
+oneDNN's packed copy, MKL's packed copy (mkl_packed.py), and for steps of a few rows the small-rows C kernel
+(csrc/small_matmul.c) where it is built for AVX-512. Which wins depends on the CPU generation, the torch build and the
+row count: MKL's packed sgemm beat oneDNN at every row count on an Intel Ice Lake, while on an AMD EPYC MKL runs
+generic code paths and `F.linear` took twice oneDNN's time at 1-2 rows. A vendor name says too little, so each
+backend is timed on a few weights the size of a small LM's layers, more than the caches hold (each call streams its
+weights from memory, as a step does), at a decode step's rows and a batch's, and the clocks choose:
+
+- MKL's copies pack the fp32 weights where they beat oneDNN's at the batch rows;
+- the small-rows kernel takes its rows (3-8) and, where it beats the others there, 1-2 as well;
+- below that, steps skip the packed copies for `F.linear` where it beats the chosen copies at every row count up to
+  there (`unpacked_max_rows`).
+
+A margin keeps a near-tie on the incumbent (the packed copies; oneDNN's over MKL's), so noise does not flip a choice
+between runs. Every backend gives F.linear's values to fp32 rounding (the correctness probes in features.py and
+mkl_packed.py), so the choice moves speed, not results. ROLLOUT_MKL_PACKED and ROLLOUT_UNPACKED_MAX_ROWS override it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# A small LM's layer: 4 weights of 8 MiB fp32 per backend, one call running through all of them, so the weights of
+# the backends timed (over 96 MiB together) stream from memory rather than from a last-level cache.
+PROBE_OUT, PROBE_IN, PROBE_WEIGHTS = 2048, 1024, 4
+SMALL_ROWS = (1, 2, 4)  # candidates for the rows below the packed copies
+BATCH_ROWS = (8, 32)  # where the packed copies are compared
+SMALL_KERNEL_ROWS = (1, 2)  # where the small-rows kernel is timed (it serves 3-8 rows wherever it is built)
+REPEATS = 5  # best of, per backend and row count (the backends alternate, so drift hits all alike)
+MARGIN = 0.9  # a challenger must take at most this share of the incumbent's time
+
+Linear = Callable[[torch.Tensor, torch.Tensor, None], torch.Tensor]  # (x, weight as stored, no bias) -> x @ weight.T
+
+
+@dataclass(frozen=True)
+class LinearTimings:
+    """Best seconds per call: {backend: {rows: seconds}}; backends "f_linear", "onednn" and, where they work, "mkl"
+    (MKL's packed copies) and "small" (the small-rows kernel, at SMALL_KERNEL_ROWS)."""
+
+    seconds: dict[str, dict[int, float]]
+
+    def faster(self, challenger: str, incumbent: str, rows: tuple[int, ...]) -> bool:
+        """Whether `challenger` wins by the margin at every one of `rows`."""
+        return all(self.seconds[challenger][r] <= MARGIN * self.seconds[incumbent][r] for r in rows)
+
+    def mkl_wins(self) -> bool:
+        return "mkl" in self.seconds and self.faster("mkl", "onednn", BATCH_ROWS)
+
+    def small_matmul_low(self, mkl: bool, built_low: int) -> int:
+        """The fewest rows the small-rows kernel takes: below `built_low` (where it serves wherever it is built) as
+        far down as it beats both F.linear and the packed copies chosen (`mkl`: MKL's) at every row count."""
+        low = built_low
+        if "small" not in self.seconds:
+            return low
+        packed = "mkl" if mkl else "onednn"
+        for rows in sorted((r for r in SMALL_KERNEL_ROWS if r < built_low), reverse=True):
+            if not (self.faster("small", packed, (rows,)) and self.faster("small", "f_linear", (rows,))):
+                break
+            low = rows
+        return low
+
+    def unpacked_max_rows(self, mkl: bool) -> int:
+        """The most rows up to which F.linear beats the packed copies chosen (`mkl`: MKL's), 0 if it never does."""
+        packed = "mkl" if mkl else "onednn"
+        best = 0
+        for rows in SMALL_ROWS:
+            if not self.faster("f_linear", packed, (rows,)):
+                break
+            best = rows
+        return best
+
+    def describe(self) -> str:
+        cells = [f"{name} " + "/".join(f"{rows}:{s * 1e6:.0f}" for rows, s in sorted(by_rows.items()))
+                 for name, by_rows in self.seconds.items()]
+        return f"µs per {PROBE_WEIGHTS} {PROBE_OUT}x{PROBE_IN} fp32 linears by rows: " + ", ".join(cells)
+
+
+def _best_of(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(REPEATS):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def time_linears(onednn_pack: Callable[[torch.Tensor], torch.Tensor],
+                 mkl_pack: Callable[[torch.Tensor], object] | None = None,
+                 small_matmul: Linear | None = None) -> LinearTimings:
+    """Time F.linear, oneDNN's packed copies (`onednn_pack` makes one), and where given MKL's packed copies
+    (`mkl_pack`: mkl_packed.MklPackedWeight) and the small-rows kernel, at SMALL_ROWS and BATCH_ROWS rows."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(PROBE_OUT, PROBE_IN, generator=g) / PROBE_IN ** 0.5 for _ in range(PROBE_WEIGHTS)]
+    x = torch.randn(max(BATCH_ROWS), PROBE_IN, generator=g)
+    backends: dict[str, Callable[[torch.Tensor], list]] = {
+        "f_linear": lambda xs: [F.linear(xs, w) for w in weights],
+        "onednn": _over([onednn_pack(w) for w in weights],
+                        lambda xs, p: torch.ops.mkldnn._linear_pointwise(xs, p, None, "none", [], ""))}
+    if mkl_pack is not None:
+        backends["mkl"] = _over([mkl_pack(w) for w in weights], lambda xs, p: p.linear(xs))
+    seconds: dict[str, dict[int, float]] = {name: {} for name in backends}
+    if small_matmul is not None:
+        seconds["small"] = {}
+    with torch.no_grad():
+        for rows in (*SMALL_ROWS, *BATCH_ROWS):
+            xs = x[:rows].contiguous()
+            calls = {name: _bound(run, xs) for name, run in backends.items()}
+            if small_matmul is not None and rows in SMALL_KERNEL_ROWS:
+                calls["small"] = _bound(lambda v: [small_matmul(v, w, None) for w in weights], xs)
+            for call in calls.values():
+                call()  # first calls build kernels
+            for name, s in _best_of(calls).items():
+                seconds[name][rows] = s
+    return LinearTimings(seconds)
+
+
+def _over(packs: list, linear: Callable[[torch.Tensor, object], torch.Tensor]) -> Callable[[torch.Tensor], list]:
+    return lambda xs: [linear(xs, p) for p in packs]
+
+
+def _bound(run: Callable[[torch.Tensor], list], xs: torch.Tensor) -> Callable[[], list]:
+    return lambda: run(xs)
