@@ -243,9 +243,19 @@ def test_random_traces_keep_every_invariant(seed, blocks, budget, policy):
         if step_no > 40 and not sched.has_work():
             break
         _, outputs = step(sched, token=rng.choice([7, 8, EOS]))
-        for out in outputs:
-            assert out.request_id not in finished, f"{out.request_id} finished twice"
-            finished[out.request_id] = out
+        record_once(finished, outputs)
+    assert_drained(sched, finished, expected)
+
+
+def record_once(finished: dict, outputs) -> None:
+    """Keep a trace's terminal outputs; no sequence may finish twice."""
+    for out in outputs:
+        assert out.request_id not in finished, f"{out.request_id} finished twice"
+        finished[out.request_id] = out
+
+
+def assert_drained(sched, finished: dict, expected: set) -> None:
+    """A trace ended: every sequence finished once and every block is back in the pool."""
     assert not sched.has_work(), "the trace did not drain"
     assert set(finished) == expected
     assert sched.pool.num_free == sched.pool.num_blocks and not sched.groups

@@ -16,7 +16,7 @@ from rollout.engine.core.request import RequestStatus
 from rollout.engine.core.scheduler import Scheduler
 from rollout.engine.core.stopping import StopChecker
 from rollout.engine.core.swap_space import PreemptionCosts, SwapSpace
-from tests.engine.core.test_scheduler import EOS, PAGE, group, tokens_for
+from tests.engine.core.test_scheduler import EOS, PAGE, assert_drained, group, record_once, tokens_for
 
 
 class FakeKV:
@@ -86,6 +86,17 @@ def preemption_workload(sched):
         sched.add(group(f"r{i}", [i + 1] * 9, max_new_tokens=10))
 
 
+def until_one_is_swapped():
+    """Three requests in a cache for two: stepped until the first preemption has swapped one out."""
+    sched, kv = make(num_blocks=6)
+    for i in range(3):
+        sched.add(group(f"r{i}", [i + 1] * 7, max_new_tokens=12))
+    while not any(r.host_blocks for r in sched.waiting):
+        step(sched, kv)
+    (swapped,) = [r for r in sched.waiting if r.host_blocks]
+    return sched, kv, swapped
+
+
 def test_a_preempted_sequence_swaps_out_and_resumes_without_recomputing():
     recompute, _ = make(swap_blocks=0)
     preemption_workload(recompute)
@@ -103,12 +114,7 @@ def test_a_preempted_sequence_swaps_out_and_resumes_without_recomputing():
 
 
 def test_a_swapped_sequence_keeps_its_computed_tokens_and_resumes_with_one():
-    sched, kv = make(num_blocks=6)
-    for i in range(3):
-        sched.add(group(f"r{i}", [i + 1] * 7, max_new_tokens=12))
-    while not any(r.host_blocks for r in sched.waiting):
-        step(sched, kv)
-    (swapped,) = [r for r in sched.waiting if r.host_blocks]
+    sched, kv, swapped = until_one_is_swapped()
     assert swapped.status == RequestStatus.PENDING and swapped.num_pending == 1
     assert swapped.block_table == [] and len(swapped.host_blocks) == -(-swapped.num_computed // PAGE)
     while swapped.host_blocks:
@@ -141,11 +147,7 @@ def test_the_cheaper_of_swap_and_recompute_is_chosen():
 
 
 def test_a_weight_update_that_recomputes_drops_swapped_kv():
-    sched, kv = make(num_blocks=6)
-    for i in range(3):
-        sched.add(group(f"r{i}", [i + 1] * 7, max_new_tokens=12))
-    while not any(r.host_blocks for r in sched.waiting):
-        step(sched, kv)
+    sched, kv, _ = until_one_is_swapped()
     sched.weight_version = 1
     sched.preempt_all()
     assert all(not r.host_blocks and r.num_computed == 0 for r in sched.waiting)
@@ -155,12 +157,7 @@ def test_a_weight_update_that_recomputes_drops_swapped_kv():
 
 
 def test_cancelling_a_swapped_sequence_frees_its_host_blocks():
-    sched, kv = make(num_blocks=6)
-    for i in range(3):
-        sched.add(group(f"r{i}", [i + 1] * 7, max_new_tokens=12))
-    while not any(r.host_blocks for r in sched.waiting):
-        step(sched, kv)
-    (swapped,) = [r for r in sched.waiting if r.host_blocks]
+    sched, kv, swapped = until_one_is_swapped()
     (out,) = sched.cancel(swapped.request_id)
     assert out.status == RequestStatus.CANCELLED and sched.kv.swap.num_free == sched.kv.swap.num_blocks
     sched.check_invariants()
@@ -202,12 +199,8 @@ def test_random_traces_with_swaps_cancels_and_weight_updates_leak_nothing(seed, 
         if step_no > 40 and not sched.has_work():
             break
         _, outputs = step(sched, kv, token=rng.choice([7, 8, EOS]), version=version)
-        for out in outputs:
-            assert out.request_id not in finished, f"{out.request_id} finished twice"
-            finished[out.request_id] = out
-    assert not sched.has_work(), "the trace did not drain"
-    assert set(finished) == expected
-    assert sched.pool.num_free == sched.pool.num_blocks and not sched.groups
+        record_once(finished, outputs)
+    assert_drained(sched, finished, expected)
     if sched.kv.swap is not None:
         assert sched.kv.swap.num_free == sched.kv.swap.num_blocks
 
