@@ -81,8 +81,9 @@ class LLMEngine:
         shape = KVShape.from_config(model.config)
         page = self.config.page_size
         batch_tokens = self.config.resolve_batch_tokens(device)
-        num_blocks = self.config.resolve_num_blocks(shape.bytes_per_token(dtype) * page, device, tokens_hint,
-                                                    batch_tokens, self.vocab_size)
+        bytes_per_block = shape.bytes_per_token(dtype) * page
+        num_blocks = self.config.resolve_num_blocks(bytes_per_block, device, tokens_hint, batch_tokens,
+                                                    self.vocab_size)
         max_requests = self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS
         compiled = build_compiled_forward(self.config, device, batch_tokens)
         self.cache = PagedKVCache(shape, num_blocks, page, dtype, device, scratch_page=compiled is not None)
@@ -100,7 +101,8 @@ class LLMEngine:
             self.pool, page, batch_tokens, max_requests,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin,
             stop=StopChecker(self.max_positions, tokenizer), copy_block=self.cache.copy_block,
-            share_prefills=self.config.allow_block_sharing, window=self.reclaim_window, swap=self._swap_space(device))
+            share_prefills=self.config.allow_block_sharing, window=self.reclaim_window,
+            swap=self._swap_space(device, bytes_per_block))
         self.sampler = Sampler(self.config.seed)
         use_budget = self.config.cpu_threads is not None and device.type == "cpu"
         self.core_budget = CoreBudget(self.config.cpu_threads) if use_budget else None
@@ -109,9 +111,8 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self.counters = dict(steps=0, forward_errors=0, peak_used_blocks=0)
 
-    def _swap_space(self, device: torch.device) -> SwapSpace | None:
+    def _swap_space(self, device: torch.device, bytes_per_block: int) -> SwapSpace | None:
         """The CPU swap space `cpu_offload_space` asks for (None when it is off or too small for one block)."""
-        bytes_per_block = self.cache.shape.bytes_per_token(self.cache.dtype) * self.cache.page_size
         blocks = self.config.resolve_swap_blocks(bytes_per_block, self.cache.nbytes if device.type == "cpu" else 0)
         if blocks < 1:
             if self.config.cpu_offload_space != 0:

@@ -4,9 +4,10 @@ Four ways run an fp32 linear here: `F.linear` on the weight as stored (MKL's sge
 oneDNN's packed copy, MKL's packed copy (mkl_packed.py), and for steps of a few rows the small-rows C kernel
 (csrc/small_matmul.c) where it is built for AVX-512. Which wins depends on the CPU generation, the torch build and the
 row count: MKL's packed sgemm beat oneDNN at every row count on an Intel Ice Lake, while on an AMD EPYC MKL runs
-generic code paths and `F.linear` took twice oneDNN's time at 1-2 rows. A vendor name says too little, so each
-backend is timed on a few weights the size of a small LM's layers, more than the caches hold (each call streams its
-weights from memory, as a step does), at a decode step's rows and a batch's, and the clocks choose:
+generic code paths and `F.linear` was slower than oneDNN's copies at 1-2 rows (benchmarks/RESULTS.md, "Small
+steps"). A vendor name says too little, so each backend is timed on a few weights the size of a small LM's layers,
+more than the caches hold (each call streams its weights from memory, as a step does), at a decode step's rows and a
+batch's, and the clocks choose:
 
 - MKL's copies pack the fp32 weights where they beat oneDNN's at the batch rows;
 - the small-rows kernel takes its rows (3-8) and, where it beats the others there, 1-2 as well;
