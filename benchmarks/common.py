@@ -76,7 +76,7 @@ def build_model(dtype: str | torch.dtype = "float32", attn_implementation: str =
     return model.to(dtype)
 
 
-def word_tokenizer(eos_id: int | None = None):
+def word_tokenizer(eos_id: int | None = None, vocab_size: int = MODEL_CONFIG["vocab_size"]):
     """Word-level tokenizer over the model's ids: id i <-> "t{i}" (id 0 is the pad token), plus "</s>" = `eos_id`
     (default: one past the model's vocabulary, so a model can never sample it and every completion runs to its
     length limit). Text prompts written as "t12 t7 ..." map back to exactly those ids in every system.
@@ -84,7 +84,6 @@ def word_tokenizer(eos_id: int | None = None):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab_size = MODEL_CONFIG["vocab_size"]
     eos_id = vocab_size if eos_id is None else eos_id
     vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, vocab_size) if i != eos_id}, "</s>": eos_id}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -97,13 +96,17 @@ def ids_as_text(ids) -> str:
     return " ".join("<pad>" if t == 0 else f"t{t}" for t in ids)
 
 
-def save_w1_checkpoint(directory: Path, dtype: str = "float32") -> None:
-    """The W1 model and `word_tokenizer` as a checkpoint directory, for systems that load from disk (servers, vLLM).
-    EOS is outside the vocabulary, as in `build_model`'s generation config: completions run to their length limit."""
-    model = build_model(dtype)
+def save_checkpoint(model, directory: Path) -> None:
+    """`model` and a `word_tokenizer` over its vocabulary as a checkpoint directory, for systems that load from disk
+    (servers, vLLM). EOS is outside the vocabulary: completions run to their length limit."""
     model.generation_config.eos_token_id = None
     model.save_pretrained(directory)
-    word_tokenizer().save_pretrained(directory)
+    word_tokenizer(vocab_size=model.config.vocab_size).save_pretrained(directory)
+
+
+def save_w1_checkpoint(directory: Path, dtype: str = "float32") -> None:
+    """The W1 model as a checkpoint directory (see `save_checkpoint`)."""
+    save_checkpoint(build_model(dtype), directory)
 
 
 def count_params(model) -> int:
@@ -176,6 +179,32 @@ def build_w1(scale: float = 1.0, seed: int = 0, vocab_size: int = MODEL_CONFIG["
         description=(f"W1: {keep} prompts x {W1_SAMPLES} samples, prompt len U[{W1_PROMPT_LEN[0]},{W1_PROMPT_LEN[1]}], "
                      f"max_new_tokens lognormal(median {W1_MEDIAN_NEW:g}, sigma {W1_SIGMA}) clipped to "
                      f"{list(W1_NEW_CLIP)}, EOS ignored, temperature 1"))
+
+
+GRPO_PROMPTS = 16
+GRPO_SAMPLES = 4
+GRPO_PROMPT_LEN = (64, 256)  # inclusive
+GRPO_MEDIAN_NEW = 64.0
+GRPO_SIGMA = 0.8  # a longer tail than W1's: a few completions run 4-5x the median
+GRPO_NEW_CLIP = (8, 384)
+
+
+def build_grpo(vocab_size: int, scale: float = 1.0, seed: int = 0, samples: int = GRPO_SAMPLES) -> Workload:
+    """A GRPO step at a real model's size: 16 prompts of 64-256 random ids, groups of `samples` (4-8 in GRPO
+    recipes), long-tailed per-sample max_new_tokens. About 5k generated tokens at the default group of 4, so a
+    several-hundred-million-parameter model finishes in tens of seconds on two cores. `scale` keeps a prefix of the
+    prompts, as in `build_w1`."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(GRPO_PROMPT_LEN[0], GRPO_PROMPT_LEN[1] + 1, size=GRPO_PROMPTS)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lens]
+    new = rng.lognormal(mean=math.log(GRPO_MEDIAN_NEW), sigma=GRPO_SIGMA, size=GRPO_PROMPTS * samples)
+    new = np.clip(np.rint(new), *GRPO_NEW_CLIP).astype(int).tolist()
+    keep = max(1, min(GRPO_PROMPTS, round(GRPO_PROMPTS * scale)))
+    return Workload(
+        prompts=prompts[:keep], samples=samples, max_new_tokens=new[:keep * samples], seed=seed, scale=scale,
+        description=(f"GRPO: {keep} prompts x {samples} samples, prompt len U[{GRPO_PROMPT_LEN[0]},"
+                     f"{GRPO_PROMPT_LEN[1]}], max_new_tokens lognormal(median {GRPO_MEDIAN_NEW:g}, sigma {GRPO_SIGMA}) "
+                     f"clipped to {list(GRPO_NEW_CLIP)}, EOS ignored, temperature 1"))
 
 
 def build_warmup(vocab_size: int = MODEL_CONFIG["vocab_size"]) -> Workload:
@@ -283,7 +312,7 @@ def environment() -> dict:
 
     return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                 cpu_count=os.cpu_count(), machine=platform.machine(), processor=platform.processor() or None,
-                **git_state())
+                cpu_flags=cpu_flags(), **git_state())
 
 
 def cpu_flags() -> str:

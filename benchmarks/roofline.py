@@ -1,9 +1,11 @@
-"""Roofline for W1's model on this machine, and our engine's fraction of it in steady decode.
+"""Roofline for a model on this machine (W1's by default, or a real small-LM shape with `--model`), and our engine's
+fraction of it in steady decode.
 
 1. Matmul throughput at the model's shapes: `[tokens, in] @ [in, out]` for q, k, v, o, gate, up, down and the
-   lm_head, best of several trials each, with two kernels: `F.linear` (MKL sgemm on the weight as stored, what a plain
-   model runs) and oneDNN on a prepacked weight (what our engine runs on CPU). The ceiling uses the faster of the two
-   per shape: the best this machine does, not the kernel we happen to beat.
+   lm_head, best of several trials each, in the run's dtype, with every kernel this torch has for it: `F.linear` (MKL
+   sgemm in fp32; oneDNN, with AVX512_BF16 or AMX where the CPU has them, in bf16), oneDNN on a prepacked weight, and
+   MKL's packed sgemm (fp32). The ceiling uses the fastest per shape: this CPU's measured peak for that dtype at the
+   model's own shapes, not the kernel we happen to beat.
 2. FLOPs per token from the config: 2 x (weights of every linear layer, lm_head included) plus attention
    (QK^T and AV: 4 x heads x head_dim x context per layer) at a given context length.
 3. Ceiling tokens/s = (all linear FLOPs of one forward at `--tokens` rows) / (measured time of those matmuls), per
@@ -14,6 +16,8 @@
     python benchmarks/roofline.py                    # fp32, 2 threads
     python benchmarks/roofline.py --dtype bfloat16 --json
     python benchmarks/roofline.py --from-throughput w1.json   # also: W1 end-to-end as a fraction of the ceiling
+    python benchmarks/roofline.py --model qwen3-0.6b --dtype bfloat16 --workload grpo --schedule \
+        --from-throughput grpo.json --decode-batch 64   # a real shape: ceiling, schedule-aware ideal, each system
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ from benchmarks.common import (
     MODEL_CONFIG,
     LoadMonitor,
     PhaseTimers,
-    build_model,
+    build_grpo,
+    build_w1,
     count_params,
     environment,
     format_table,
     seconds_per_call,
     torch_dtype,
 )
+from benchmarks.shapes import MODEL_CHOICES, build_named, model_shape
 
 
 def linear_shapes(cfg: dict = MODEL_CONFIG) -> list[tuple[str, int, int, int]]:
@@ -117,10 +123,10 @@ def best_matmul(tokens: int, fan_in: int, fan_out: int, dtype: torch.dtype, min_
     return dict(times, best=min(times.values()))
 
 
-def measure_matmuls(tokens: int, dtype: torch.dtype, min_time: float, trials: int) -> dict:
+def measure_matmuls(tokens: int, dtype: torch.dtype, min_time: float, trials: int, cfg: dict = MODEL_CONFIG) -> dict:
     rows, total_flops = [], 0.0
     totals = dict.fromkeys((*MATMUL_KINDS, "best"), 0.0)
-    for name, fan_in, fan_out, count in linear_shapes():
+    for name, fan_in, fan_out, count in linear_shapes(cfg):
         sec = best_matmul(tokens, fan_in, fan_out, dtype, min_time, trials)
         flops = 2.0 * tokens * fan_in * fan_out
         rows.append(dict(name=name, shape=f"[{tokens},{fan_in}]x[{fan_in},{fan_out}]", count=count,
@@ -134,30 +140,29 @@ def measure_matmuls(tokens: int, dtype: torch.dtype, min_time: float, trials: in
                 gflops_by_kind={k: total_flops / totals[k] / 1e9 for k in MATMUL_KINDS})
 
 
-def w1_bound(dtype: torch.dtype, min_time: float, trials: int, scale: float = 1.0) -> dict:
-    """Schedule-aware ideal for W1: all sequences start together and decode until their own budget, so step s runs
-    as many rows as there are sequences with max_new_tokens >= s (256 rows first, a handful in the tail). Each step
-    costs the measured time of all linears at that row count (log-interpolated over a sweep); the prefill computes
-    each prompt once (perfect prefix sharing) at the 256-row rate. Attention, sampling and overheads cost nothing."""
+def schedule_bound(work, cfg: dict, dtype: torch.dtype, min_time: float, trials: int) -> dict:
+    """Schedule-aware ideal for a workload: all sequences start together and decode until their own budget, so step s
+    runs as many rows as there are sequences with max_new_tokens >= s (all of them first, a handful in the tail).
+    Each step costs the measured time of all linears at that row count (log-interpolated over a sweep); the prefill
+    computes each prompt once (perfect prefix sharing) at the 256-row rate. Attention, sampling and overheads cost
+    nothing."""
     import numpy as np
-
-    from benchmarks.common import build_w1
 
     grid = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     step_ms = [1e3 * sum(best_matmul(rows, i, o, dtype, min_time, trials)["best"] * n
-                         for _, i, o, n in linear_shapes()) for rows in grid]
-    work = build_w1(scale)
+                         for _, i, o, n in linear_shapes(cfg)) for rows in grid]
     budgets = np.array(work.max_new_tokens)
     rows_per_step = [int((budgets >= s).sum()) for s in range(1, int(budgets.max()) + 1)]
     decode_s = sum(float(np.interp(np.log2(r), np.log2(grid), step_ms)) for r in rows_per_step) / 1e3
     unique_prompt = sum(len(p) for p in work.prompts)
-    linear_per_token = flops_per_token(0)["linear"]
+    linear_per_token = flops_per_token(0, cfg)["linear"]
     rate_256 = 256 * linear_per_token / (step_ms[-1] / 1e3)  # FLOP/s of all linears at 256 rows
     prefill_s = unique_prompt * linear_per_token / rate_256
     total = decode_s + prefill_s
     return dict(grid=grid, step_ms=step_ms, steps=len(rows_per_step), mean_rows=float(np.mean(rows_per_step)),
                 decode_s=decode_s, prefill_s=prefill_s, unique_prompt_tokens=unique_prompt,
-                requested_tokens=int(budgets.sum()), ideal_tok_s=int(budgets.sum()) / total, scale=scale)
+                requested_tokens=int(budgets.sum()), ideal_tok_s=int(budgets.sum()) / total, scale=work.scale,
+                workload=work.description)
 
 
 # --------------------------------------------------------------------------------------------------- steady decode
@@ -166,7 +171,7 @@ def steady_decode(model, args) -> dict:
     from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
 
     g = torch.Generator().manual_seed(1)
-    vocab = MODEL_CONFIG["vocab_size"]
+    vocab = model.config.vocab_size
     budget = args.decode_steps * 2 + args.decode_warmup + 8  # nobody finishes during the timed windows
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.decode_batch)]
     page = args.engine_page_size
@@ -214,6 +219,8 @@ def steady_decode(model, args) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--model", default="w1", choices=MODEL_CHOICES,
+                   help="W1's 25.7M toy model (default) or a real small-LM shape with random weights")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=256, help="rows of the matmuls (tokens per forward; default 256)")
     p.add_argument("--context", type=float, default=None,
@@ -227,29 +234,33 @@ def main(argv=None) -> None:
     p.add_argument("--engine-page-size", type=int, default=32)
     p.add_argument("--no-seed", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the matmul roofline")
-    p.add_argument("--from-throughput", help="JSON written by throughput.py --output: W1 as a fraction too")
-    p.add_argument("--w1", action="store_true",
-                   help="also the schedule-aware ideal for W1 (matmuls timed at 1..256 rows; about 30 s more)")
+    p.add_argument("--from-throughput",
+                   help="JSON written by throughput.py --output (same --model and --dtype): each system as a fraction")
+    p.add_argument("--workload", default="w1", choices=["w1", "grpo"], help="the workload of --schedule")
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt of --workload grpo")
+    p.add_argument("--schedule", "--w1", dest="schedule", action="store_true",
+                   help="also the schedule-aware ideal of --workload (matmuls timed at 1..256 rows; 30 s or more)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = torch_dtype(args.dtype)
 
+    cfg = model_shape(args.model)
     with LoadMonitor() as mon:
-        mm = measure_matmuls(args.tokens, dtype, args.min_time, args.trials)
+        mm = measure_matmuls(args.tokens, dtype, args.min_time, args.trials, cfg)
     mm.update(mon.summary())
-    report = dict(benchmark="roofline", dtype=args.dtype, threads=torch.get_num_threads(), tokens=args.tokens,
-                  env=environment(), matmul=mm)
+    report = dict(benchmark="roofline", model=args.model, dtype=args.dtype, threads=torch.get_num_threads(),
+                  tokens=args.tokens, env=environment(), matmul=mm)
 
     decode = None
     if not args.skip_engine:
-        model = build_model(args.dtype, seed=0)
+        model = build_named(args.model, args.dtype, seed=0)
         report["params"] = count_params(model)
         decode = steady_decode(model, args)
         report["steady_decode"] = {k: v for k, v in decode.items() if k != "phases"}
     context = args.context if args.context is not None else (
         decode["timed"]["mean_context"] if decode else args.prompt_len + args.decode_steps)
-    fpt = flops_per_token(context)
+    fpt = flops_per_token(context, cfg)
     rate = mm["gflops"] * 1e9
     ceiling_linear = rate / fpt["linear"]
     ceiling_total = rate / fpt["total"]
@@ -259,22 +270,29 @@ def main(argv=None) -> None:
     if decode:
         report["engine_fraction"] = decode["timed"]["tok_s"] / ceiling_linear
         report["engine_fraction_with_attention"] = decode["timed"]["tok_s"] / ceiling_total
-    if args.w1:
-        report["w1_bound"] = w1_bound(dtype, min(args.min_time, 0.1), min(args.trials, 3))
+    if args.schedule:
+        work = (build_grpo(cfg["vocab_size"], samples=args.group_size) if args.workload == "grpo"
+                else build_w1(vocab_size=cfg["vocab_size"]))
+        report["schedule_bound"] = schedule_bound(work, cfg, dtype, min(args.min_time, 0.1), min(args.trials, 3))
     if args.from_throughput:
-        w1 = json.loads(Path(args.from_throughput).read_text())
-        bound = report.get("w1_bound", {}).get("ideal_tok_s")
-        report["w1"] = {r["system"]: dict(useful_tok_s=r["useful_tok_s"], fraction=r["useful_tok_s"] / ceiling_linear,
-                                          fraction_of_f_linear_ceiling=r["useful_tok_s"]
-                                          / report["ceiling_f_linear_tok_s"],
-                                          fraction_of_w1_bound=r["useful_tok_s"] / bound if bound else None)
-                        for r in w1["results"] if not r.get("failed")}
+        runs = json.loads(Path(args.from_throughput).read_text())
+        if (runs.get("model", "w1"), runs.get("dtype")) != (args.model, args.dtype):
+            raise SystemExit(f"--from-throughput {args.from_throughput} ran model {runs.get('model', 'w1')} in "
+                             f"{runs.get('dtype')}; this roofline is for {args.model} in {args.dtype}")
+        bound = report.get("schedule_bound", {}).get("ideal_tok_s")
+        report["end_to_end"] = {
+            r["system"]: dict(useful_tok_s=r["useful_tok_s"], fraction=r["useful_tok_s"] / ceiling_linear,
+                              fraction_of_f_linear_ceiling=r["useful_tok_s"] / report["ceiling_f_linear_tok_s"],
+                              fraction_of_schedule_bound=r["useful_tok_s"] / bound if bound else None)
+            for r in runs["results"] if not r.get("failed")}
 
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"roofline  dtype={args.dtype}  threads={report['threads']}  torch {report['env']['torch']}  "
-          f"matmul rows={args.tokens}  (matmul timing: cpu util {mm['cpu_util']:.2f}, load {mm['load_mean']:.1f})")
+    print(f"roofline  model={args.model}  dtype={args.dtype}  threads={report['threads']}  torch "
+          f"{report['env']['torch']}  matmul rows={args.tokens}  (matmul timing: cpu util {mm['cpu_util']:.2f}, "
+          f"load {mm['load_mean']:.1f})")
+    print(f"CPU flags: {report['env']['cpu_flags']}")
     rows = [[r["name"], r["shape"], r["count"], f"{r['gflops_by_kind']['f_linear']:.1f}",
              f"{r['gflops_by_kind']['onednn_packed']:.1f}", f"{r['gflops_by_kind']['mkl_packed']:.1f}",
              f"{1e3 * r['seconds']:.3f}"] for r in mm["shapes"]]
@@ -306,17 +324,18 @@ def main(argv=None) -> None:
         print(decode["phases"])
         ideal_ms = 1e3 * args.decode_batch / ceiling_linear
         print(f"ideal step at the ceiling: {ideal_ms:.1f} ms for {args.decode_batch} tokens")
-    if "w1_bound" in report:
-        b = report["w1_bound"]
-        print(f"\nW1 schedule-aware ideal: {b['ideal_tok_s']:,.0f} useful tokens/s ({b['steps']} decode steps, "
+    if "schedule_bound" in report:
+        b = report["schedule_bound"]
+        print(f"\n{args.workload.upper()} schedule-aware ideal: {b['ideal_tok_s']:,.0f} useful tokens/s "
+              f"({b['steps']} decode steps, "
               f"{b['mean_rows']:.1f} rows/step on average: {b['decode_s']:.2f}s of matmuls; prefill of "
               f"{b['unique_prompt_tokens']:,} unique prompt tokens: {b['prefill_s']:.2f}s); all-linears ms per step "
               "at rows " + ", ".join(f"{r}: {t:.2f}" for r, t in zip(b["grid"], b["step_ms"], strict=True)))
-    if "w1" in report:
-        for system, r in report["w1"].items():
-            extra = (f", {r['fraction_of_w1_bound']:.1%} of the W1 schedule-aware ideal"
-                     if r.get("fraction_of_w1_bound") else "")
-            print(f"W1 end-to-end {system}: {r['useful_tok_s']:.1f} useful tokens/s = {r['fraction']:.1%} "
+    if "end_to_end" in report:
+        for system, r in report["end_to_end"].items():
+            extra = (f", {r['fraction_of_schedule_bound']:.1%} of the schedule-aware ideal"
+                     if r.get("fraction_of_schedule_bound") else "")
+            print(f"end-to-end {system}: {r['useful_tok_s']:.1f} useful tokens/s = {r['fraction']:.1%} "
                   f"of the ceiling ({r['fraction_of_f_linear_ceiling']:.1%} of the F.linear-rate ceiling){extra}")
     load = max([mm["load_mean"]] + ([decode["timed"]["load_mean"]] if decode else []))
     if load > (report["env"]["cpu_count"] or 1) + 0.5:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from benchmarks.common import MODEL_CONFIG, build_model
+
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                   max_position_embeddings=40960, rope_theta=1000000.0)
@@ -24,6 +26,17 @@ REAL_SHAPES = {
     "qwen3-0.6b": (Qwen3Config, Qwen3ForCausalLM, QWEN3_0_6B),
     "llama-3.2-1b": (LlamaConfig, LlamaForCausalLM, LLAMA_3_2_1B),
 }
+MODEL_CHOICES = ["w1", *REAL_SHAPES]  # what the benchmarks' --model takes: W1's toy model or a real shape
+
+
+def model_shape(name: str) -> dict:
+    """The config fields of `name` that set its FLOPs (layers, widths, heads, vocabulary)."""
+    return dict(MODEL_CONFIG) if name == "w1" else dict(REAL_SHAPES[name][2])
+
+
+def build_named(name: str, dtype: torch.dtype | str = torch.float32, seed: int = 0, **kwargs):
+    """W1's model or a real shape by `--model` name; `kwargs` go to the builder."""
+    return build_model(dtype, seed=seed, **kwargs) if name == "w1" else build_real(name, dtype, seed=seed, **kwargs)
 
 
 def build_real(name: str, dtype: torch.dtype | str = torch.float32, seed: int = 0, **overrides):

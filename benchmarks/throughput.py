@@ -10,6 +10,8 @@ wall time, peak RSS and the ratios to our engine.
     python benchmarks/throughput.py --profile --scale 0.25   # where the engine spends its time
     python benchmarks/throughput.py --systems engine --baseline-tree /tmp/before --repeats 3   # before/after a change
     python benchmarks/throughput.py --systems engine,engine_compiled --engine-compile-level 1 --repeats 3
+    python benchmarks/throughput.py --model qwen3-0.6b --workload grpo --dtype bfloat16 --systems engine,vllm \
+        --vllm-python ~/vllm-venv/bin/python --repeats 2     # a real shape (random weights), a GRPO-shaped step
 
 See benchmarks/README.md for what each system does and how to read the numbers.
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (
     LoadMonitor,
     Workload,
-    build_model,
+    build_grpo,
     build_w1,
     build_warmup,
     count_params,
@@ -42,8 +44,10 @@ from benchmarks.common import (
     parse_env,
     peak_rss_mib,
     run_json_child,
+    save_checkpoint,
     useful_tokens,
 )
+from benchmarks.shapes import MODEL_CHOICES, build_named, model_shape
 
 SYSTEMS = {
     "engine": "rollout.generate_batch, one input per sample (prefix cache shares full prompt blocks)",
@@ -269,11 +273,9 @@ def run_vllm(model, work: Workload, args) -> dict:
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from benchmarks.common import save_w1_checkpoint
-
     if "llm" not in _VLLM:
-        directory = Path(tempfile.mkdtemp(prefix="w1_vllm_"))
-        save_w1_checkpoint(directory, args.dtype)
+        directory = Path(tempfile.mkdtemp(prefix=f"{args.model}_vllm_"))
+        save_checkpoint(model, directory)
         _VLLM["llm"] = LLM(model=str(directory), dtype=args.dtype, seed=0, max_model_len=1024,
                            enable_prefix_caching=True)
     llm = _VLLM["llm"]
@@ -292,6 +294,13 @@ RUNNERS = {"engine": run_engine, "engine_compiled": run_engine, "engine_groups":
            "hf_generate": run_hf_generate, "vllm": run_vllm}
 
 
+def build_workload(args) -> Workload:
+    vocab = model_shape(args.model)["vocab_size"]
+    if args.workload == "grpo":
+        return build_grpo(vocab, args.scale, seed=args.seed, samples=args.group_size)
+    return build_w1(args.scale, seed=args.seed, vocab_size=vocab)
+
+
 def child_main(args) -> None:
     """Run one system in this process and write its result as JSON to `--result-file`."""
     import torch
@@ -301,15 +310,15 @@ def child_main(args) -> None:
     attn = args.hf_cb_attn if system == "hf_cb" else "sdpa"
     code = git_state()  # the engine is edited while benchmarks run: record the code state each child imported
     t_build = time.perf_counter()
-    model = build_model(args.dtype, attn_implementation=attn, seed=0)
+    model = build_named(args.model, args.dtype, seed=0, attn_implementation=attn)
     build_s = time.perf_counter() - t_build
     rss_model = current_rss_mib()
-    work = build_w1(args.scale, seed=args.seed)
+    work = build_workload(args)
     runner = RUNNERS[system]
 
     log(f"{system}: warm-up")
     t = time.perf_counter()
-    warm = runner(model, build_warmup(), args)
+    warm = runner(model, build_warmup(model.config.vocab_size), args)
     warmup_s = time.perf_counter() - t
     if warm["num_errors"]:
         raise SystemExit(f"{system}: warm-up failed: {warm['errors']}")
@@ -358,6 +367,8 @@ def child_argv(args, system: str, result_file: str) -> list[str]:
                  str(args.engine_q_padding), "--engine-kv-padding", str(args.engine_kv_padding)]
     if args.no_seed:
         argv.append("--no-seed")
+    if args.model != "w1" or args.workload != "w1":  # an older --baseline-tree may know neither flag
+        argv += ["--model", args.model, "--workload", args.workload, "--group-size", str(args.group_size)]
     return argv
 
 
@@ -428,9 +439,11 @@ def target_lines(results: list[dict]) -> list[str]:
 def print_report(report: dict) -> None:
     w = report["workload"]
     env = report["env"]
-    print(f"W1 throughput  scale={w['scale']}  dtype={report['dtype']}  threads={report['threads']}  "
-          f"torch {env['torch']}  transformers {env['transformers']}  commit {env.get('git_commit')}"
-          f"{' (rollout/ has uncommitted changes)' if env.get('rollout_dirty') else ''}")
+    print(f"{report['workload_name']} throughput  model={report['model']}  scale={w['scale']}  "
+          f"dtype={report['dtype']}  threads={report['threads']}  torch {env['torch']}  "
+          f"transformers {env['transformers']}  commit "
+          f"{env.get('git_commit')}{' (rollout/ has uncommitted changes)' if env.get('rollout_dirty') else ''}")
+    print(f"CPU flags: {env.get('cpu_flags')}")
     if report.get("child_env"):
         print(f"extra environment of every system: {report['child_env']}")
     print(f"workload: {w['prompts']} prompts x {w['samples']} samples = {w['sequences']} sequences; prompt len "
@@ -495,7 +508,7 @@ def parent_main(args) -> None:
             from rollout.config import DEFAULT_PAGE_SIZE
 
             args.engine_page_size = DEFAULT_PAGE_SIZE["cpu"]
-    work = build_w1(args.scale, seed=args.seed)
+    work = build_workload(args)
     log(work.description)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for rep in range(args.repeats):
@@ -505,7 +518,8 @@ def parent_main(args) -> None:
             runs[system].append(run_child(args, system))
     results = [best_of(system, runs[system]) for system in systems]
     add_ratios(results)
-    report = dict(benchmark="W1 throughput", scale=args.scale, dtype=args.dtype, threads=args.threads,
+    report = dict(benchmark="throughput", workload_name=args.workload.upper(), model=args.model, scale=args.scale,
+                  dtype=args.dtype, threads=args.threads,
                   child_env=parse_env(args.env),
                   workload=work.summary(), env=environment(), results=results, targets=target_lines(results),
                   argv=sys.argv[1:])
@@ -529,10 +543,10 @@ def profile_main(args) -> None:
     from benchmarks.common import PhaseTimers, op_categories
 
     torch.set_num_threads(args.threads)
-    model = build_model(args.dtype, seed=0)
-    work = build_w1(args.scale, seed=args.seed)
+    model = build_named(args.model, args.dtype, seed=0)
+    work = build_workload(args)
     log(f"profile: {work.description}")
-    run_engine(model, build_warmup(), args)
+    run_engine(model, build_warmup(model.config.vocab_size), args)
 
     # 1) phase timers: cheap wrappers around the engine's stages
     with PhaseTimers() as timers:
@@ -579,7 +593,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})")
-    p.add_argument("--scale", type=float, default=1.0, help="fraction of W1's 32 prompts to run (default 1.0)")
+    p.add_argument("--model", default="w1", choices=MODEL_CHOICES,
+                   help="W1's 25.7M toy model (default) or a real small-LM shape with random weights")
+    p.add_argument("--workload", default="w1", choices=["w1", "grpo"],
+                   help="w1: 32 prompts x 8; grpo: 16 prompts of 64-256 tokens x --group-size, long tail")
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt of --workload grpo (default 4)")
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of the workload's prompts to run (default 1.0)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads per system (default 2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0); the model seed is always 0")
