@@ -1,9 +1,11 @@
-"""RL-layer costs on the W1 model: update_weights vs a plain in-place copy, and n=8 groups vs 8 separate prompts.
+"""RL-layer costs: update_weights vs a plain in-place copy, and n=8 groups vs 8 separate prompts, on the W1 model or a
+real small-LM shape (`--model`, random weights) in fp32 or bf16.
 
 A weight sync on CPU also costs the next forward the refresh of the oneDNN-packed linear weights (packed_linear.py):
 it is timed with the update ("+ next forward's repack", the whole sync) and alone.
 
     python benchmarks/rl_layer.py [--threads 2] [--repeats 5]
+    python benchmarks/rl_layer.py --model qwen3-0.6b --dtype bfloat16 --sync-only
 
 Both comparisons run side by side in one process; read the ratios, not the absolute seconds.
 """
@@ -12,11 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from common import build_model, build_w1, format_table
 
+from benchmarks.common import build_w1, cpu_flags, format_table
+from benchmarks.shapes import MODEL_CHOICES, build_named
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams
 from rollout.engine.cpu.packed_linear import PackedLinears
 
@@ -78,7 +85,7 @@ def weight_sync(gen: RolloutGenerator, trainer: torch.nn.Module, repeats: int) -
 
 
 def groups(gen: RolloutGenerator, repeats: int) -> list[list]:
-    work = build_w1(scale=0.25)
+    work = build_w1(scale=0.25, vocab_size=gen.model.config.vocab_size)
     prompts = work.prompts
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=64, ignore_eos=True, seed=0)
 
@@ -100,15 +107,19 @@ def groups(gen: RolloutGenerator, repeats: int) -> list[list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="w1", choices=MODEL_CHOICES,
+                        help="W1's 25.7M toy model (default) or a real small-LM shape with random weights")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sync-only", action="store_true", help="time the weight sync only (not the n=8 groups)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    trainer = build_model()
+    trainer = build_named(args.model, args.dtype)
     trainer.requires_grad_(True)
     gen = RolloutGenerator(trainer, continuous_batching_config=ContinuousBatchingConfig(page_size=32))
     params = sum(p.numel() for p in trainer.parameters())
-    print(f"W1 model: {params / 1e6:.1f}M parameters, {args.threads} threads\n")
+    print(f"{args.model} model: {params / 1e6:.1f}M parameters, {args.dtype}, {args.threads} threads; CPU flags: "
+          f"{cpu_flags()}\n")
     print(format_table(["weight sync", "ms (median)", "x plain copy"], weight_sync(gen, trainer, args.repeats)))
     if args.sync_only:
         gen.close()

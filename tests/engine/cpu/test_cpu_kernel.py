@@ -8,6 +8,7 @@ import stat
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
@@ -128,6 +129,38 @@ def test_tokens_sharing_keys_match_dense_attention(dtype, tol, heads, kv_heads, 
     ref = _dense_reference(q, k_cache, v_cache, batch.positions, batch.token_rows, batch.tables, page, scale, window,
                            softcap)
     assert (out.double() - ref).abs().max().item() < tol
+
+
+def _sdpa_reference(q, k_cache, v_cache, batch, page, scale):
+    """Per token: its keys and values gathered, attended by PyTorch's own CPU attention in the cache's dtype (what a
+    trainer's forward runs)."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for t in range(q.shape[0]):
+        n = int(batch.positions[t]) + 1
+        row = batch.tables[batch.token_rows[t]]
+        slots = torch.tensor([int(row[p // page]) * page + p % page for p in range(n)])
+        k = k_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)[None]
+        v = v_cache[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)[None]
+        out[t] = F.scaled_dot_product_attention(q[t][None, :, None], k, v, scale=scale)[0, :, 0]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("shared_keys", [False, True])
+def test_bf16_attention_rounds_as_pytorch_does(shared_keys):
+    """In bf16 the probabilities weight the values rounded to bf16, as PyTorch's attention does, so nearly every
+    output equals a bf16 trainer's bit for bit (kept in fp32 instead, a quarter of them differ by an ulp). The rest
+    differ by rounding: exp implementations and summation order."""
+    torch.manual_seed(0)
+    page, heads, kv_heads, d = 8, 8, 2, 64
+    batch = _shared_key_batch(page, seed=5) if shared_keys else _step_like_batch(page, 64, seed=5)
+    k_cache = torch.randn(200 * page, kv_heads, d).bfloat16()
+    v_cache = torch.randn(200 * page, kv_heads, d).bfloat16()
+    q = (2 * torch.randn(len(batch.positions), heads, d)).bfloat16()  # peaked scores: probabilities far from 1/n
+    out = paged_attention(q, k_cache, v_cache, batch, page, d ** -0.5, None, None)
+    differ = (out != _sdpa_reference(q, k_cache, v_cache, batch, page, d ** -0.5)).float().mean().item()
+    assert differ < 0.1
 
 
 @needs_kernel

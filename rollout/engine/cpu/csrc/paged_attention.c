@@ -47,6 +47,11 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* A bf16 model's attention probabilities are rounded to bf16 before they weight the values, after the normaliser has
+ * summed them in fp32: the order of roundings of PyTorch's CPU attention (sdpa) in bf16, so a bf16 engine reports the
+ * logprobs a bf16 trainer recomputes, not more precise ones. */
+static inline float bf16_rounded(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
 /* D values starting at element `offset`, as floats: fp32 rows are used in place, bf16 rows are widened into `tmp`. */
 static inline const float *row_f32(const void *base, int64_t offset, int64_t d, int dtype, float *tmp) {
     if (dtype == DTYPE_F32) return (const float *)base + offset;
@@ -118,6 +123,8 @@ static inline __attribute__((always_inline)) void attend(
             total += s[i];
         }
         sums[h] = total;
+        if (dtype == DTYPE_BF16)
+            for (int64_t i = 0; i < n; i++) s[i] = bf16_rounded(s[i]);
     }
     /* weighted values */
     memset(acc, 0, sizeof(float) * heads * d);
@@ -357,6 +364,8 @@ static inline __attribute__((always_inline)) void attend_group(const group_item_
                 s[l] = expf(s[l] - top[l]);
                 sums[k][l] += s[l];
             }
+            if (it->dtype == DTYPE_BF16)
+                for (int l = 0; l < LANES; l++) s[l] = bf16_rounded(s[l]);
         }
     }
     shared_pass(it, d, 1);
