@@ -6,8 +6,8 @@ small-rows C kernel (csrc/small_matmul.c): what the timed choice of rollout/engi
    cache, as in a decode step) at 1-16 rows, with each kernel, alternated, best of `--rounds`.
 2. The engine itself: greedy requests of `--new-tokens` tokens, 1, 2, 4 and 8 at once (that many rows per decode
    step), with oneDNN's packed copies at every size, with `F.linear` up to `--limit` rows, with the vendor rule the
-   engine had before its choice was timed (`F.linear` at 1-2 rows, the small-rows kernel at 3-8 where built), and as
-   shipped (see the CPU line), alternated on the same engine.
+   engine had before its choice was timed (`F.linear` at 1-2 rows, the small-rows kernel at 3-8 on AVX-512 builds),
+   with the small-rows kernel at 1-8 rows, and as shipped (see the CPU line), alternated on the same engine.
 
     python benchmarks/small_steps.py
     python benchmarks/small_steps.py --compile-level 1 --limit 4
@@ -65,6 +65,8 @@ def linear_pass_rows(rounds: int) -> list[list]:
 
 def engine_rows(args) -> list[list]:
     from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
+    from rollout.engine.cpu import kernel as cpu_kernel
+    from rollout.engine.cpu.features import SMALL_MATMUL_ISAS, cpu_features
 
     model = build_model("float32")
     engine = LLMEngine(model, None, ContinuousBatchingConfig(default_compile_level=args.compile_level))
@@ -73,8 +75,12 @@ def engine_rows(args) -> list[list]:
         raise SystemExit("this engine does not pack its linears (no oneDNN here?)")
     shipped = (linears.mkl, linears.unpacked_max_rows, linears.small_matmul, linears.small_rows)
     # (MKL's copies?, F.linear up to this many rows, the small-rows kernel?, at which rows)
+    # the vendor rule ran the kernel at 3-8 rows on AVX-512 builds only
+    kernel = cpu_kernel.load_kernel() is not None
+    by_rule = kernel and cpu_features().kernel.isa in SMALL_MATMUL_ISAS
     settings = {"f_linear": (False, args.limit, False, (3, 8)), "onednn_packed": (False, 0, False, (3, 8)),
-                "vendor_rule": (False, 2, linears.small_matmul, (3, 8)), "shipped": shipped}
+                "vendor_rule": (False, 2, by_rule, (3, 8)), "kernel_1_8": (False, 0, kernel, (1, 8)),
+                "shipped": shipped}
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     out = []
@@ -100,7 +106,7 @@ def engine_rows(args) -> list[list]:
         linears.use_mkl(shipped[0])
         ms = {name: seconds / args.new_tokens * 1e3 for name, seconds in times.items()}
         out.append([f"{streams} row(s), level {args.compile_level}", *(f"{ms[name]:.2f}" for name in settings),
-                    f"{ms['vendor_rule'] / ms['shipped']:.2f}x"])
+                    f"{ms['vendor_rule'] / ms['shipped']:.2f}x", f"{ms['onednn_packed'] / ms['shipped']:.2f}x"])
     return out
 
 
@@ -119,7 +125,9 @@ def main() -> None:
     print(format_table(["measure (fp32)", "F.linear ms", "oneDNN packed ms", "MKL packed ms",
                         "small-rows kernel ms"], linear_pass_rows(args.rounds)))
     print(format_table(["engine decode step (fp32, ms)", f"F.linear up to {args.limit} rows", "oneDNN packed",
-                        "vendor rule (before)", "as shipped", "shipped speedup"], engine_rows(args)))
+                        "vendor rule", "kernel at 1-8 rows", "as shipped", "vendor rule / shipped",
+                        "packed / shipped"],
+                       engine_rows(args)))
 
 
 if __name__ == "__main__":

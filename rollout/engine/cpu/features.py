@@ -43,12 +43,13 @@ SILU_GATE_DTYPES = (torch.float32,)
 # of a few rows) is timed on this CPU (linear_timing.py), not read off its vendor name. ROLLOUT_UNPACKED_MAX_ROWS
 # overrides the small-step rule (0: the packed copies at every row count).
 ENV_UNPACKED_MAX_ROWS = "ROLLOUT_UNPACKED_MAX_ROWS"
-# fp32 linears of steps with this many rows run the C kernel csrc/small_matmul.c on the weights as stored, where it
-# is built for AVX-512 (PackedLinears.unpacked_linear): at a few rows a step's linears are bound by streaming the
-# weights from memory, which the kernel does faster than oneDNN or MKL at 3-8 rows; at 1-2 rows it takes them too where
+# fp32 linears of steps of a few rows run the C kernel csrc/small_matmul.c on the weights as stored, where it is built
+# (PackedLinears.unpacked_linear): at a few rows a step's linears are bound by streaming the weights from memory, which
+# the kernel does faster than oneDNN or MKL. Built for AVX-512 it serves SMALL_MATMUL_ROWS by rule, and 1-2 rows where
 # it is timed faster there (linear_timing.py: on an AMD EPYC it was, on an Intel Ice Lake MKL's sgemv was as fast).
-# Built for AVX2 it was slower than the packed copies at 8 rows, so other builds keep them. Where MKL's packed sgemm
-# serves (faster still at 2-8 rows), the kernel is not used. The figures: benchmarks/results-history.md, "Serving".
+# Built for another ISA (AVX2) it serves only the rows where it is timed faster: an AVX2 build lost to the packed copies
+# at 8 rows on an AVX-512 EPYC, and won at 1-8 rows on an AVX2 one. Where MKL's packed sgemm serves (faster still at
+# 2-8 rows), the kernel is not used. The figures: benchmarks/RESULTS.md, "Small steps".
 SMALL_MATMUL_ROWS = (3, 8)
 SMALL_MATMUL_ISAS = ("avx512f",)
 
@@ -68,7 +69,8 @@ class CpuFeatures:
     silu_gate_dtypes: frozenset[torch.dtype] = frozenset()  # dtypes whose oneDNN fused SiLU-gate probe passed
     unpacked_max_rows: int = 0  # fp32 linears of steps with at most this many rows use F.linear (MKL)
     linear_timings: LinearTimings | None = None  # what decided the fp32 choices (None: fp32 is not packed)
-    small_matmul_low: int = SMALL_MATMUL_ROWS[0]  # the fewest rows the small-rows kernel takes (timed: 1-3)
+    # the rows (low, high) whose fp32 linears the small-rows kernel runs where it is built (None: none)
+    small_matmul_rows: tuple[int, int] | None = None
     kernel: KernelBuild = field(default_factory=lambda: KernelBuild(False, reason="not probed"))
     # fp32 packed copies are MKL's (mkl_packed.py) rather than oneDNN's; else why not
     mkl_packed: bool = False
@@ -76,17 +78,12 @@ class CpuFeatures:
 
     @property
     def small_matmul_kernel(self) -> bool:
-        """Whether the small-rows C kernel is built here for an ISA it serves (SMALL_MATMUL_ISAS)."""
-        return self.kernel.available and self.kernel.isa in SMALL_MATMUL_ISAS
-
-    @property
-    def small_matmul_rows(self) -> tuple[int, int]:
-        """The row counts whose fp32 linears the small-rows kernel runs, where it does (`small_matmul`)."""
-        return self.small_matmul_low, SMALL_MATMUL_ROWS[1]
+        """Whether the small-rows C kernel is built here and serves some row counts (`small_matmul_rows`)."""
+        return self.kernel.available and self.small_matmul_rows is not None
 
     @property
     def small_matmul(self) -> bool:
-        """Whether fp32 linears of SMALL_MATMUL_ROWS rows run the small-rows C kernel here (not where MKL packs)."""
+        """Whether fp32 linears of `small_matmul_rows` rows run the small-rows C kernel here (not where MKL packs)."""
         return self.small_matmul_kernel and not self.mkl_packed
 
     @property
@@ -114,8 +111,10 @@ class CpuFeatures:
         if not self.onednn:
             packing = "unavailable (torch built without oneDNN)"
         fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.gate_dtypes) or "no"
-        low, high = self.small_matmul_rows
-        f_linear_rows = min(self.unpacked_max_rows, low - 1) if self.small_matmul else self.unpacked_max_rows
+        f_linear_rows = self.unpacked_max_rows
+        if self.small_matmul:
+            low, high = self.small_matmul_rows
+            f_linear_rows = min(f_linear_rows, low - 1)
         parts = [f"F.linear (MKL) up to {f_linear_rows} rows"] if f_linear_rows else []
         if self.small_matmul:
             parts.append(f"the small-rows kernel at {low}-{high} rows")
@@ -218,14 +217,22 @@ def mkl_packed_reason(packed_dtypes: frozenset[torch.dtype], timings: LinearTimi
 
 
 def measure_linears(packed_dtypes: frozenset[torch.dtype], build: KernelBuild) -> LinearTimings | None:
-    """The fp32 backends timed on this CPU (None where fp32 weights are not packed: F.linear serves every step);
-    the small-rows kernel where it is built for an ISA it serves."""
+    """The fp32 backends timed on this CPU (None where fp32 weights are not packed: F.linear serves every step),
+    the small-rows kernel among them where it is built."""
     if torch.float32 not in packed_dtypes:
         return None
-    small = build.available and build.isa in SMALL_MATMUL_ISAS
     return time_linears(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
                         mkl_packed.MklPackedWeight if mkl_packed.available() else None,
-                        cpu_kernel.small_matmul if small else None)
+                        cpu_kernel.small_matmul if build.available else None)
+
+
+def small_matmul_rows(timings: LinearTimings | None, build: KernelBuild, mkl: bool) -> tuple[int, int] | None:
+    """The rows the small-rows kernel runs here (None: none): SMALL_MATMUL_ROWS by rule on the ISAs it serves
+    (SMALL_MATMUL_ISAS), widened or, on other builds, chosen by its timings (linear_timing.py)."""
+    if not build.available:
+        return None
+    by_rule = SMALL_MATMUL_ROWS if build.isa in SMALL_MATMUL_ISAS else None
+    return timings.small_matmul_rows(mkl, by_rule) if timings is not None else by_rule
 
 
 def _onednn_bf16_device() -> bool | None:
@@ -252,8 +259,7 @@ def detect() -> CpuFeatures:
         packed_dtypes=packed, packing_errors=tuple((name, why) for name, why in errors.items() if why),
         silu_gate_dtypes=silu_gate, unpacked_max_rows=unpacked_max_rows(timings, not mkl_reason),
         linear_timings=timings, kernel=build, mkl_packed=not mkl_reason, mkl_packed_reason=mkl_reason,
-        small_matmul_low=timings.small_matmul_low(not mkl_reason, SMALL_MATMUL_ROWS[0]) if timings
-        else SMALL_MATMUL_ROWS[0])
+        small_matmul_rows=small_matmul_rows(timings, build, not mkl_reason))
 
 
 @functools.lru_cache(maxsize=1)

@@ -260,8 +260,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for fp32 CPU tensors of a few rows (csrc/small_matmul.c), with the weight read as
-    stored (`[N, K]`, contiguous); no autograd. For the engine's forward only (see
-    cpu_features.SMALL_MATMUL_ROWS)."""
+    stored (`[N, K]`, contiguous); no autograd. For the engine's forward only, at the rows cpu_features chose
+    (`small_matmul_rows`)."""
     lib = load_kernel()
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:

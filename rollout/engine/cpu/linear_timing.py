@@ -2,7 +2,7 @@
 
 Four ways run an fp32 linear here: `F.linear` on the weight as stored (MKL's sgemm/sgemv in torch's x86 wheels),
 oneDNN's packed copy, MKL's packed copy (mkl_packed.py), and for steps of a few rows the small-rows C kernel
-(csrc/small_matmul.c) where it is built for AVX-512. Which wins depends on the CPU generation, the torch build and the
+(csrc/small_matmul.c) where it is built. Which wins depends on the CPU generation, the torch build and the
 row count: MKL's packed sgemm beat oneDNN at every row count on an Intel Ice Lake, while on an AMD EPYC MKL runs
 generic code paths and `F.linear` was slower than oneDNN's copies at 1-2 rows (benchmarks/RESULTS.md, "Small
 steps"). A vendor name says too little, so each backend is timed on a few weights the size of a small LM's layers,
@@ -10,7 +10,9 @@ more than the caches hold (each call streams its weights from memory, as a step 
 batch's, and the clocks choose:
 
 - MKL's copies pack the fp32 weights where they beat oneDNN's at the batch rows;
-- the small-rows kernel takes its rows (3-8) and, where it beats the others there, 1-2 as well;
+- the small-rows kernel takes the rows it serves by rule (3-8 on AVX-512 builds) and, below them, the timed row
+  counts where it beats both F.linear and the packed copies chosen; on other builds (AVX2) it takes rows from 1 up
+  as far as its summed times beat the others' (on a 2-core AVX2 EPYC it won at 1-8 rows);
 - below that, steps skip the packed copies for `F.linear` where it beats the chosen copies at every row count up to
   there (`unpacked_max_rows`).
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 PROBE_OUT, PROBE_IN, PROBE_WEIGHTS = 2048, 1024, 4
 SMALL_ROWS = (1, 2, 4)  # candidates for the rows below the packed copies
 BATCH_ROWS = (8, 32)  # where the packed copies are compared
-SMALL_KERNEL_ROWS = (1, 2)  # where the small-rows kernel is timed (it serves 3-8 rows wherever it is built)
+SMALL_KERNEL_ROWS = (1, 2, 4, 8)  # where the small-rows kernel is timed, wherever it is built
 REPEATS = 5  # best of, per backend and row count (the backends alternate, so drift hits all alike)
 MARGIN = 0.9  # a challenger must take at most this share of the incumbent's time
 
@@ -54,18 +56,31 @@ class LinearTimings:
     def mkl_wins(self) -> bool:
         return "mkl" in self.seconds and self.faster("mkl", "onednn", BATCH_ROWS)
 
-    def small_matmul_low(self, mkl: bool, built_low: int) -> int:
-        """The fewest rows the small-rows kernel takes: below `built_low` (where it serves wherever it is built) as
-        far down as it beats both F.linear and the packed copies chosen (`mkl`: MKL's) at every row count."""
-        low = built_low
+    def small_matmul_rows(self, mkl: bool, by_rule: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The rows (low, high) the small-rows kernel runs, None for none. With a rule for this build (`by_rule`),
+        those rows, widened down through the timed row counts where it beats both F.linear and the packed copies
+        chosen (`mkl`: MKL's). Without one, from 1 row up to the most timed rows at which its time summed over the
+        timed row counts so far beats the best of the others summed: one sum over several row counts is steadier
+        than any one of them (a near-tie at one row count flipped between runs of the probe)."""
         if "small" not in self.seconds:
-            return low
+            return by_rule
         packed = "mkl" if mkl else "onednn"
-        for rows in sorted((r for r in SMALL_KERNEL_ROWS if r < built_low), reverse=True):
+        timed = sorted(self.seconds["small"])
+        if by_rule is None:
+            small = others = 0.0
+            high = None
+            for rows in timed:
+                small += self.seconds["small"][rows]
+                others += min(self.seconds[packed][rows], self.seconds["f_linear"][rows])
+                if small <= MARGIN * others:
+                    high = rows
+            return None if high is None else (1, high)
+        low, high = by_rule
+        for rows in reversed([r for r in timed if r < low]):
             if not (self.faster("small", packed, (rows,)) and self.faster("small", "f_linear", (rows,))):
                 break
             low = rows
-        return low
+        return low, high
 
     def unpacked_max_rows(self, mkl: bool) -> int:
         """The most rows up to which F.linear beats the packed copies chosen (`mkl`: MKL's), 0 if it never does."""

@@ -6,10 +6,10 @@ into its blocked layout is faster at the batch sizes that carry the work (benchm
 plain fp32 arithmetic (no TF32/bf16 shortcuts). Where MKL's own packed sgemm (mkl_packed.py) is timed faster still
 (it was at every row count from 3 up on an Intel Ice Lake), it packs the fp32 copies. Below that, the weights'
 streaming from memory decides: F.linear (MKL's sgemv) serves steps of 1-2 rows where it is timed faster than the
-copies, and where oneDNN packs fp32 on AVX-512 builds, steps of 3-8 rows (1-8 where timed faster) run the C kernel
-csrc/small_matmul.c (cpu_features: linear_timing.py, SMALL_MATMUL_ROWS). Packed copies of weights stacked along
-their output rows (`stacked_for`) serve the compiled forward's linears of one input as one matmul, and with MKL's
-copies a gated MLP's gate and up projections.
+copies, and where oneDNN packs fp32, steps of a few rows run the C kernel csrc/small_matmul.c (3-8 rows on AVX-512
+builds, 1-8 where timed faster; on other builds the rows where it is timed faster: features.py, SMALL_MATMUL_ROWS).
+Packed copies of weights stacked along their output rows (`stacked_for`) serve the compiled forward's linears of one
+input as one matmul, and with MKL's copies a gated MLP's gate and up projections.
 bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
 a long run); packed and bucketed (below) it is a little faster and bounded.
 

@@ -11,10 +11,12 @@ from transformers import GenerationConfig
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine.cpu.features import (
     ENV_UNPACKED_MAX_ROWS,
+    SMALL_MATMUL_ROWS,
     CpuFeatures,
     KernelBuild,
     cpu_features,
     probe_packed_linear,
+    small_matmul_rows,
     unpacked_max_rows,
 )
 from rollout.engine.cpu.linear_timing import LinearTimings
@@ -172,16 +174,50 @@ def test_the_fp32_backends_are_chosen_by_their_clocks_not_the_vendor(monkeypatch
 
 
 def test_the_small_rows_kernel_takes_one_and_two_rows_where_it_is_timed_faster():
+    """On AVX-512 builds the kernel keeps 3-8 rows by rule and takes 1-2 where it beats F.linear and the copies."""
     amd = timings(f_linear=[24, 43, 38, 50, 84], onednn=[18, 21, 14, 21, 35])
-    amd.seconds["small"] = {1: 14, 2: 13}
-    assert amd.small_matmul_low(mkl=False, built_low=3) == 1 and amd.unpacked_max_rows(mkl=False) == 0
+    amd.seconds["small"] = {1: 14, 2: 13, 4: 30, 8: 40}
+    assert amd.small_matmul_rows(mkl=False, by_rule=(3, 8)) == (1, 8) and amd.unpacked_max_rows(mkl=False) == 0
     only_two = timings(f_linear=[10, 43, 38, 50, 84], onednn=[18, 21, 14, 21, 35])
-    only_two.seconds["small"] = {1: 14, 2: 13}
-    assert only_two.small_matmul_low(mkl=False, built_low=3) == 2, "F.linear keeps the one-row steps it wins"
+    only_two.seconds["small"] = {1: 14, 2: 13, 4: 30, 8: 40}
+    assert only_two.small_matmul_rows(False, (3, 8)) == (2, 8), "F.linear keeps the one-row steps it wins"
     sgemv = timings(f_linear=[8, 9, 12, 20, 60], onednn=[12, 12, 13, 16, 40])
-    sgemv.seconds["small"] = {1: 9, 2: 12}
-    assert sgemv.small_matmul_low(mkl=False, built_low=3) == 3
-    assert timings(f_linear=[1] * 5, onednn=[1] * 5).small_matmul_low(False, 3) == 3, "not built: not timed"
+    sgemv.seconds["small"] = {1: 9, 2: 12, 4: 12, 8: 15}
+    assert sgemv.small_matmul_rows(False, (3, 8)) == (3, 8)
+    untimed = timings(f_linear=[1] * 5, onednn=[1] * 5)
+    assert untimed.small_matmul_rows(False, (3, 8)) == (3, 8), "not built: not timed, the rule stands"
+    assert untimed.small_matmul_rows(False, None) is None
+
+
+def test_without_a_rule_the_small_rows_kernel_takes_rows_from_one_up_while_its_summed_times_win():
+    """An AVX2 build serves 1 row up to the most timed rows where its time summed so far beats the best of F.linear
+    and the copies summed, and nothing where it never does."""
+    f_linear, onednn = [24, 43, 38, 50, 84], [18, 21, 14, 21, 35]  # the best of the two: 18, 21, 14, 21 at 1-8 rows
+    cases = [({1: 14, 2: 13, 4: 10, 8: 18}, (1, 8)),  # as measured on a 2-core AVX2 EPYC
+             ({1: 14, 2: 13, 4: 10, 8: 30}, (1, 4)),  # sums 14, 27, 37, 67 against 16.2, 35.1, 47.7, 66.6
+             ({1: 17, 2: 17, 4: 10, 8: 30}, (1, 4)),  # a near-tie at 1 and 2 rows is carried by the sum at 4
+             ({1: 30, 2: 30, 4: 30, 8: 30}, None)]
+    for small, rows in cases:
+        measured = timings(f_linear=f_linear, onednn=onednn)
+        measured.seconds["small"] = small
+        assert measured.small_matmul_rows(mkl=False, by_rule=None) == rows, small
+    sgemv = timings(f_linear=[8, 9, 12, 20, 60], onednn=[18, 21, 14, 21, 35])
+    sgemv.seconds["small"] = {1: 14, 2: 13, 4: 10, 8: 18}
+    assert sgemv.small_matmul_rows(False, None) is None, "F.linear's sgemv at 1-2 rows is the one to beat"
+    against_mkl = timings(f_linear=f_linear, onednn=onednn, mkl=[9, 9, 9, 9, 30])
+    against_mkl.seconds["small"] = {1: 14, 2: 13, 4: 10, 8: 18}
+    assert against_mkl.small_matmul_rows(mkl=True, by_rule=None) is None, "timed against the copies chosen"
+
+
+def test_which_build_decides_the_rule_and_which_the_clocks():
+    measured = timings(f_linear=[24, 43, 38, 50, 84], onednn=[18, 21, 14, 21, 35])
+    measured.seconds["small"] = {1: 14, 2: 13, 4: 10, 8: 30}
+    avx512, avx2 = KernelBuild(True, isa="avx512f"), KernelBuild(True, isa="avx2")
+    assert small_matmul_rows(measured, avx512, mkl=False) == (1, 8)
+    assert small_matmul_rows(measured, avx2, mkl=False) == (1, 4)
+    assert small_matmul_rows(None, avx512, mkl=False) == SMALL_MATMUL_ROWS
+    assert small_matmul_rows(None, avx2, mkl=False) is None
+    assert small_matmul_rows(measured, KernelBuild(False, reason="no C compiler found"), mkl=False) is None
 
 
 def test_the_environment_overrides_the_small_step_rule(monkeypatch):
