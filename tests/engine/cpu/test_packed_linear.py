@@ -259,17 +259,18 @@ def test_small_matmul_has_the_same_bits_on_every_target(march):
 
 
 @needs_fp32_packing
-@pytest.mark.skipif(not cpu_features().small_matmul_kernel,
-                    reason="the small-rows kernel is not built here, or not for AVX-512 and slower at every row count")
 def test_steps_of_a_few_fp32_rows_run_the_small_matmul_kernel_in_the_forward_only():
     """Inside the engine's forward, fp32 linears of the kernel's rows run it where oneDNN packs (the packed copies do
     not serve them); outside it (another thread, a trainer's forward with autograd) the module is F.linear itself."""
+    features = cpu_features()  # the detection PackedLinears reads (other tests clear it: its clocks may differ)
+    if not features.small_matmul_kernel:
+        pytest.skip("the small-rows kernel is not built here, or not for AVX-512 and timed slower at every row count")
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80)
     linears = PackedLinears(layer, mkl=False)
     assert linears.small_matmul
-    low, high = cpu_features().small_matmul_rows
-    if cpu_features().kernel.isa in SMALL_MATMUL_ISAS:
+    low, high = features.small_matmul_rows
+    if features.kernel.isa in SMALL_MATMUL_ISAS:
         assert low <= SMALL_MATMUL_ROWS[0] and high == SMALL_MATMUL_ROWS[1], "AVX-512 builds serve their rule's rows"
     x = torch.randn(1, high + 1, 48)
     with torch.inference_mode(), linears:
