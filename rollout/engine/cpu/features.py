@@ -29,7 +29,7 @@ from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu import mkl_packed
 from rollout.engine.cpu.isa import ISA_FLAGS, KernelBuild, isa_flags
 from rollout.engine.cpu.kernel import kernel_build
-from rollout.engine.cpu.linear_timing import LinearTimings, time_linears
+from rollout.engine.cpu.linear_timing import LinearTimings, small_kernel_rows, time_linears
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,12 @@ def measure_linears(packed_dtypes: frozenset[torch.dtype], build: KernelBuild) -
         return None
     return time_linears(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
                         mkl_packed.MklPackedWeight if mkl_packed.available() else None,
-                        cpu_kernel.small_matmul if build.available else None)
+                        cpu_kernel.small_matmul if build.available else None, small_kernel_rows(_rule_rows(build)))
+
+
+def _rule_rows(build: KernelBuild) -> tuple[int, int] | None:
+    """SMALL_MATMUL_ROWS on builds for the ISAs the kernel serves by rule (SMALL_MATMUL_ISAS), else None."""
+    return SMALL_MATMUL_ROWS if build.isa in SMALL_MATMUL_ISAS else None
 
 
 def small_matmul_rows(timings: LinearTimings | None, build: KernelBuild, mkl: bool) -> tuple[int, int] | None:
@@ -231,7 +236,7 @@ def small_matmul_rows(timings: LinearTimings | None, build: KernelBuild, mkl: bo
     (SMALL_MATMUL_ISAS), widened or, on other builds, chosen by its timings (linear_timing.py)."""
     if not build.available:
         return None
-    by_rule = SMALL_MATMUL_ROWS if build.isa in SMALL_MATMUL_ISAS else None
+    by_rule = _rule_rows(build)
     return timings.small_matmul_rows(mkl, by_rule) if timings is not None else by_rule
 
 

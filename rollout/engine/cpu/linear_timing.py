@@ -35,7 +35,7 @@ import torch.nn.functional as F
 PROBE_OUT, PROBE_IN, PROBE_WEIGHTS = 2048, 1024, 4
 SMALL_ROWS = (1, 2, 4)  # candidates for the rows below the packed copies
 BATCH_ROWS = (8, 32)  # where the packed copies are compared
-SMALL_KERNEL_ROWS = (1, 2, 4, 8)  # where the small-rows kernel is timed, wherever it is built
+SMALL_KERNEL_ROWS = (1, 2, 4, 8)  # where the small-rows kernel may be timed: those outside its rule's rows
 REPEATS = 5  # best of, per backend and row count (the backends alternate, so drift hits all alike)
 MARGIN = 0.9  # a challenger must take at most this share of the incumbent's time
 
@@ -45,7 +45,7 @@ Linear = Callable[[torch.Tensor, torch.Tensor, None], torch.Tensor]  # (x, weigh
 @dataclass(frozen=True)
 class LinearTimings:
     """Best seconds per call: {backend: {rows: seconds}}; backends "f_linear", "onednn" and, where they work, "mkl"
-    (MKL's packed copies) and "small" (the small-rows kernel, at SMALL_KERNEL_ROWS)."""
+    (MKL's packed copies) and "small" (the small-rows kernel, at those of SMALL_KERNEL_ROWS its rule leaves open)."""
 
     seconds: dict[str, dict[int, float]]
 
@@ -108,11 +108,19 @@ def _best_of(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
     return best
 
 
+def small_kernel_rows(by_rule: tuple[int, int] | None) -> tuple[int, ...]:
+    """The row counts to time the small-rows kernel at: SMALL_KERNEL_ROWS below its rule's rows (those it serves
+    anyway; `small_matmul_rows` only widens them downwards), all of them without a rule."""
+    return SMALL_KERNEL_ROWS if by_rule is None else tuple(r for r in SMALL_KERNEL_ROWS if r < by_rule[0])
+
+
 def time_linears(onednn_pack: Callable[[torch.Tensor], torch.Tensor],
                  mkl_pack: Callable[[torch.Tensor], object] | None = None,
-                 small_matmul: Linear | None = None) -> LinearTimings:
+                 small_matmul: Linear | None = None,
+                 small_rows: tuple[int, ...] = SMALL_KERNEL_ROWS) -> LinearTimings:
     """Time F.linear, oneDNN's packed copies (`onednn_pack` makes one), and where given MKL's packed copies
-    (`mkl_pack`: mkl_packed.MklPackedWeight) and the small-rows kernel, at SMALL_ROWS and BATCH_ROWS rows."""
+    (`mkl_pack`: mkl_packed.MklPackedWeight), at SMALL_ROWS and BATCH_ROWS rows; where given, the small-rows kernel
+    at `small_rows` (see small_kernel_rows)."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(PROBE_OUT, PROBE_IN, generator=g) / PROBE_IN ** 0.5 for _ in range(PROBE_WEIGHTS)]
     x = torch.randn(max(BATCH_ROWS), PROBE_IN, generator=g)
@@ -129,7 +137,7 @@ def time_linears(onednn_pack: Callable[[torch.Tensor], torch.Tensor],
         for rows in (*SMALL_ROWS, *BATCH_ROWS):
             xs = x[:rows].contiguous()
             calls = {name: _bound(run, xs) for name, run in backends.items()}
-            if small_matmul is not None and rows in SMALL_KERNEL_ROWS:
+            if small_matmul is not None and rows in small_rows:
                 calls["small"] = _bound(lambda v: [small_matmul(v, w, None) for w in weights], xs)
             for call in calls.values():
                 call()  # first calls build kernels

@@ -19,7 +19,7 @@ from rollout.engine.cpu.features import (
     small_matmul_rows,
     unpacked_max_rows,
 )
-from rollout.engine.cpu.linear_timing import LinearTimings
+from rollout.engine.cpu.linear_timing import LinearTimings, small_kernel_rows
 from rollout.engine.cpu.mkl_packed import forced as mkl_packed_forced
 from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT, PackedLinears
 from tests.helpers.cpu import BF16_ERROR
@@ -218,6 +218,8 @@ def test_which_build_decides_the_rule_and_which_the_clocks():
     assert small_matmul_rows(None, avx512, mkl=False) == SMALL_MATMUL_ROWS
     assert small_matmul_rows(None, avx2, mkl=False) is None
     assert small_matmul_rows(measured, KernelBuild(False, reason="no C compiler found"), mkl=False) is None
+    assert small_kernel_rows(SMALL_MATMUL_ROWS) == (1, 2), "the rule's own rows are not timed at start-up"
+    assert small_kernel_rows(None) == (1, 2, 4, 8)
 
 
 def test_the_environment_overrides_the_small_step_rule(monkeypatch):
