@@ -61,7 +61,6 @@ MAX_COMPILE_LEVEL = 3
 UNIMPLEMENTED_FIELDS: dict[str, tuple[object, str]] = {
     "use_cuda_graph": (None, "CUDA graphs are not implemented"),
     "use_async_batching": (None, "asynchronous batching is not implemented"),
-    "cpu_group_timeout": (300.0, "CPU offload groups are not implemented"),
     "max_queue_size": (0, "the request queue is unbounded"),
     "per_request_processors": (True, "per-request settings are always honoured"),
 }
@@ -150,6 +149,10 @@ class ContinuousBatchingConfig:
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0):
             raise ValueError(f"max_blocks_per_request must be None (any table width), 0 (no decode fast path) or a "
                              f"positive number of blocks, got {self.max_blocks_per_request!r}.")
+        timeout = self.cpu_group_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"cpu_group_timeout must be the seconds a tensor-parallel collective may block (> 0) or "
+                             f"None (no bound), got {timeout!r}.")
         self._check_offload()
         self._check_compile()
         self._reject_unimplemented()

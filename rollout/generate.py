@@ -55,6 +55,9 @@ def generate_batch(
     gen_config = generation_config or getattr(model, "generation_config", None)
     engine = LLMEngine(model, gen_config, continuous_batching_config,
                        tokens_hint=workload_tokens(inputs, params, gen_config), tokenizer=tokenizer)
+    if engine.tp_group is not None:  # each rank's engine must see the same requests (rollout.engine.tensor_parallel)
+        engine.tp_group.check_same("inputs and sampling_params of generate_batch", (inputs, params))
+        progress_bar = progress_bar and engine.tp_group.is_driver
     order: list[str] = []
     for i, (prompt, p) in enumerate(zip(inputs, params)):
         order.extend(engine.add_request(prompt, request_id=f"req_{i}", sampling_params=p))

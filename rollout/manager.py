@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -27,6 +26,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rollout import interpreter_exit, thread_teams
+from rollout.caller_stepping import CallerStepping
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core.request import ErrorKind, RequestOutput, sequence_ids
 from rollout.engine.core.stats import EngineStats
@@ -34,9 +34,10 @@ from rollout.engine.engine import LLMEngine, release_device_memory
 from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.engine.worker.warm_up import WarmUp, warm_up
 from rollout.output_router import OutputCallback, OutputRouter
-from rollout.result_slots import POLL_S, ResultSlots
+from rollout.result_slots import ResultSlots
 from rollout.sampling_params import SamplingParams
-from rollout.submission import Submission, with_overrides
+from rollout.submission import Cancellation, KVRelease, Submission, with_overrides
+from rollout.tp_loop import TensorParallelLoop
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ class ManagerError(RuntimeError):
     """The manager cannot serve: its loop thread died, or it was destroyed."""
 
 
-class ContinuousBatchingManager:
-    """Runs continuous batching in a background thread; submit, stream, cancel and collect from any thread."""
+class ContinuousBatchingManager(CallerStepping, TensorParallelLoop):
+    """Runs continuous batching in a background thread; submit, stream, cancel and collect from any thread.
+    Under tensor parallelism every rank runs one, and the ranks' loops step together (rollout.tp_loop)."""
 
     def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig | None = None,
                  continuous_batching_config: ContinuousBatchingConfig | None = None, tokenizer=None,
@@ -59,9 +61,10 @@ class ContinuousBatchingManager:
                                                   tokenizer)
         self._engine_lock = threading.RLock()
         self._cv = threading.Condition()  # guards everything below and wakes the loop and readers
-        self._inbox: deque[Submission] = deque()
+        self._inbox: deque[Submission | Cancellation | KVRelease] = deque()
+        self._tp = self.engine.tp_group
         self._slots = ResultSlots(self._cv, self._wait_for, self._raise_if_dead,
-                                  lambda: self._driver is threading.current_thread())
+                                  lambda: self._driver is threading.current_thread(), keep_unclaimed=self._follower)
         self._router = OutputRouter()  # callbacks of requests submitted with on_output
         self._thread: threading.Thread | None = None
         self._accepting = True
@@ -160,6 +163,8 @@ class ContinuousBatchingManager:
             self._pause_count += 1
             self._cv.notify_all()
             self._cv.wait_for(lambda: not self._in_step)
+            if self._tp is not None and self.is_running():
+                self._wait_until_all_paused()
 
     def resume_generation(self) -> None:
         with self._cv:
@@ -204,9 +209,12 @@ class ContinuousBatchingManager:
                 self._router.register(ids, on_output)
             else:
                 self._slots.open(ids, streaming)
-            self._inbox.append(Submission(request_id, list(input_ids), params, streaming, keep_kv, continues))
+            early = self._slots.claim(ids)  # a TP follower: rank 0's copy of this request may have run already
+            if not self._follower:
+                self._inbox.append(Submission(request_id, list(input_ids), params, streaming, keep_kv, continues))
             self._threads = torch.get_num_threads()  # the loop steps with the submitter's intra-op thread count
             self._cv.notify_all()
+        self._deliver(early)
         return request_id
 
     def add_requests(self, inputs: Sequence[Sequence[int]], max_new_tokens: int | None = None,
@@ -221,7 +229,10 @@ class ContinuousBatchingManager:
         return ids
 
     def cancel_request(self, request_id: str) -> bool:
-        """Cancel a queued or running request and free its blocks now; False if it is unknown or already done."""
+        """Cancel a queued or running request and free its blocks now; False if it is unknown or already done.
+        Under tensor parallelism rank 0's cancellation acts at the next step on every rank (others' do nothing)."""
+        if self._tp is not None:
+            return self._queue_event(Cancellation(request_id), request_id)
         with self._engine_lock:
             engine = self._require_engine()
             rejected = self._drain_inbox(engine)
@@ -231,6 +242,8 @@ class ContinuousBatchingManager:
 
     def release_kv(self, sequence_id: str) -> bool:
         """Free the KV a finished `keep_kv` sequence still holds (False if none: see `LLMEngine.release_kept`)."""
+        if self._tp is not None:
+            return self._queue_event(KVRelease(sequence_id), sequence_id)
         with self._engine_lock:
             engine = self._require_engine()
             rejected = self._drain_inbox(engine)  # a continuation still queued takes the KV before it is freed
@@ -280,6 +293,8 @@ class ContinuousBatchingManager:
 
     # -------------------------------------------------------------------- loop
     def _run(self) -> None:
+        if self._tp is not None:
+            return self._run_tensor_parallel()
         try:
             while True:
                 with self._cv:
@@ -328,56 +343,6 @@ class ContinuousBatchingManager:
             self._slots.wake_streams()
             self._cv.notify_all()
         self._router.fail_all(failed, error)
-
-    # -------------------------------------------------------- stepping in the caller
-    @contextlib.contextmanager
-    def stepping_in_caller(self) -> Iterator[None]:
-        """While this block runs, the calling thread steps the engine whenever it waits for a result (`get_result`,
-        iteration, its streams) and the loop thread stays parked: submit and collect inside the block.
-
-        Why: a caller that blocks on its results anyway (a trainer's rollout) steps with its own OpenMP team, so the
-        process keeps one team and libgomp keeps spin-waiting between parallel regions (see `rollout.thread_teams`).
-        Other threads' requests progress while the caller waits on its own; when the block ends the loop thread takes
-        over whatever is left. If another thread is already stepping, the block changes nothing."""
-        me = threading.current_thread()
-        with self._cv:
-            claimed = self._driver is None and thread_teams.may_step_here()
-            if claimed:
-                self._driver = me
-        try:
-            yield
-        finally:
-            if claimed:
-                with self._cv:
-                    self._driver = None
-                    self._cv.notify_all()
-
-    def _drive(self, predicate, ready, timeout: float | None) -> bool:
-        """Step in this thread until `predicate()` holds (caller holds the cv; released while stepping); False on
-        timeout. Pauses are honoured as the loop thread honours them; a hard stop or a dead loop is left to the loop
-        thread (it fails what is left), and this thread waits for `ready` like any other."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not predicate():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if self._fatal is not None or self._hard_stop:
-                return self._cv.wait_for(ready, remaining)
-            if remaining is not None and remaining <= 0:
-                return False
-            if self._pause_count or self._in_step or not (self._inbox or self._require_engine().has_unfinished()):
-                # Parked by a pause, the loop finishing a step, or nothing to step: wait for another thread.
-                self._cv.wait(remaining if remaining is not None else POLL_S)
-                continue
-            self._in_step = True
-            self._cv.release()
-            try:
-                self._step_once(follow_submitter=False)
-            except BaseException as err:
-                logger.exception("continuous batching step died in the calling thread")
-                self._die(err)
-                raise ManagerError(f"the manager's loop died: {err!r}") from err
-            finally:
-                self._cv.acquire()
-        return True
 
     def _has_loop_work(self) -> bool:
         if self._hard_stop:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from rollout.engine.core.request import RequestOutput
 
+MAX_UNCLAIMED = 4096
 POLL_S = 0.5  # safety net: how often blocked stream readers re-check that the loop is alive
 _DEAD = object()  # pushed into every stream queue when the loop dies
 
@@ -29,7 +30,7 @@ class ResultSlots:
     """Uncollected outputs by sequence id; every method but the readers' expects the caller to hold `cv`."""
 
     def __init__(self, cv: threading.Condition, wait_for: WaitFor, raise_if_dead: Callable[[], None],
-                 stepping_here: Callable[[], bool]) -> None:
+                 stepping_here: Callable[[], bool], keep_unclaimed: bool = False) -> None:
         self._cv = cv
         self._wait_for = wait_for
         self._raise_if_dead = raise_if_dead
@@ -37,6 +38,9 @@ class ResultSlots:
         self._finished: OrderedDict[str, RequestOutput] = OrderedDict()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._pending: set[str] = set()  # submitted, final output not yet handed to a caller
+        # A tensor-parallel follower gets rank 0's requests, possibly before its own caller submitted the same ones:
+        # their outputs wait here (the most recent MAX_UNCLAIMED sequences) until `claim`.
+        self._unclaimed: OrderedDict[str, list[RequestOutput]] | None = OrderedDict() if keep_unclaimed else None
 
     # ------------------------------------------------ writers (caller holds cv)
     def in_use(self, sequence_id: str) -> bool:
@@ -57,6 +61,16 @@ class ResultSlots:
                 stream.put(out)
             elif out.is_finished() and out.request_id in self._pending:
                 self._finished[out.request_id] = out
+            elif self._unclaimed is not None and out.request_id not in self._pending:
+                self._unclaimed.setdefault(out.request_id, []).append(out)
+                if len(self._unclaimed) > MAX_UNCLAIMED:
+                    self._unclaimed.popitem(last=False)
+
+    def claim(self, sequence_ids: Iterable[str]) -> list[RequestOutput]:
+        """The outputs that arrived for these sequences before they were submitted here (tensor-parallel followers)."""
+        if self._unclaimed is None:
+            return []
+        return [out for sequence_id in sequence_ids for out in self._unclaimed.pop(sequence_id, [])]
 
     def wake_streams(self) -> None:
         """The loop died: wake every stream reader so it raises the loop's error."""

@@ -43,3 +43,32 @@ def with_overrides(params: SamplingParams | ResolvedSampling | None, **overrides
     if given:
         raise TypeError(f"sampling_params is already resolved (ResolvedSampling); pass {given} in it instead")
     return params
+
+
+class _Event:
+    """An inbox entry that is not a request: nothing of it fails when the manager stops."""
+
+    def failures(self, error: str, kind: ErrorKind, name_sequence: bool = True) -> list[RequestOutput]:
+        return []
+
+
+@dataclass(frozen=True)
+class Cancellation(_Event):
+    """A `cancel_request` under tensor parallelism: it travels with the submissions, so every rank's engine cancels
+    at the same step boundary."""
+
+    request_id: str
+
+    def enter(self, engine: LLMEngine) -> list[RequestOutput]:
+        return engine.cancel(self.request_id)
+
+
+@dataclass(frozen=True)
+class KVRelease(_Event):
+    """A `release_kv` under tensor parallelism (see Cancellation)."""
+
+    sequence_id: str
+
+    def enter(self, engine: LLMEngine) -> list[RequestOutput]:
+        engine.release_kept(self.sequence_id)
+        return []

@@ -38,7 +38,7 @@ def test_bad_page_size(value):
 
 NON_DEFAULT = {
     "use_cuda_graph": True, "use_async_batching": False,
-    "cpu_group_timeout": 10.0, "max_queue_size": 16, "per_request_processors": False,
+    "max_queue_size": 16, "per_request_processors": False,
 }
 
 
@@ -52,6 +52,17 @@ def test_unimplemented_fields_are_rejected_when_set(name):
         ContinuousBatchingConfig(**{name: NON_DEFAULT[name]})
     default, _ = UNIMPLEMENTED_FIELDS[name]
     assert getattr(ContinuousBatchingConfig(**{name: default}), name) == default  # the default still constructs
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, True, "300"])
+def test_bad_cpu_group_timeout(timeout):
+    with pytest.raises(ValueError, match=r"cpu_group_timeout must be the seconds .* \(> 0\) or None"):
+        ContinuousBatchingConfig(cpu_group_timeout=timeout)
+
+
+@pytest.mark.parametrize("timeout", [None, 0.5, 600])
+def test_cpu_group_timeout_is_accepted(timeout):
+    assert ContinuousBatchingConfig(cpu_group_timeout=timeout).cpu_group_timeout == timeout
 
 
 @pytest.mark.parametrize("page_size", [0, 1, 3, -4])

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine: LLMEngine", ("rollout.engine",)),
     ("manager: the background loop and its entry points", ("rollout.output_router", "rollout.result_slots",
                                                           "rollout.submission", "rollout.manager",
+                                                          "rollout.caller_stepping", "rollout.tp_loop",
                                                           "rollout.generate")),
     ("rl: generator, episodes, scoring, weights", ("rollout.rl",)),
     ("services: server, client, worker pools", ("rollout.server", "rollout.client", "rollout.distributed")),

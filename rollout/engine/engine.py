@@ -26,6 +26,7 @@ from rollout.engine.sample.resolve import ResolvedSampling, resolve_sampling
 from rollout.engine.sample.rows import SampleRow
 from rollout.engine.sample.sampler import Sampler
 from rollout.engine.sample.structured_output import GrammarCompiler
+from rollout.engine.tensor_parallel import TensorParallelGroup, check_tp_config, kv_heads_per_rank, tp_size
 from rollout.engine.worker import flash_backend
 from rollout.engine.worker.compiled_forward import build_compiled_forward
 from rollout.engine.worker.kv_cache import HostKVStorage, KVShape, PagedKVCache
@@ -79,11 +80,19 @@ class LLMEngine:
         device, dtype = param.device, param.dtype
         self.config = (config or ContinuousBatchingConfig()).for_device(device, dtype, flash_backend.HAVE_FLASH)
         shape = KVShape.from_config(model.config)
+        ranks = tp_size(model)
+        self.tp_group: TensorParallelGroup | None = None  # the ranks this engine steps in lock step with
+        if ranks > 1:
+            self.config = check_tp_config(self.config, ranks)
+            shape = dataclasses.replace(shape, num_kv_heads=kv_heads_per_rank(model, shape.num_kv_heads))
+            self.tp_group = TensorParallelGroup(self.config.cpu_group_timeout)
         page = self.config.page_size
         batch_tokens = self.config.resolve_batch_tokens(device)
         bytes_per_block = shape.bytes_per_token(dtype) * page
         num_blocks = self.config.resolve_num_blocks(bytes_per_block, device, tokens_hint, batch_tokens,
                                                     self.vocab_size)
+        if self.tp_group is not None:  # sized by each rank's free memory: every rank takes the smallest
+            num_blocks, batch_tokens = self.tp_group.min_ints(num_blocks, batch_tokens)
         max_requests = self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS
         compiled = build_compiled_forward(self.config, device, batch_tokens)
         self.cache = PagedKVCache(shape, num_blocks, page, dtype, device, scratch_page=compiled is not None)
@@ -103,7 +112,8 @@ class LLMEngine:
             stop=StopChecker(self.max_positions, tokenizer), copy_block=self.cache.copy_block,
             share_prefills=self.config.allow_block_sharing, window=self.reclaim_window,
             swap=self._swap_space(device, bytes_per_block))
-        self.sampler = Sampler(self.config.seed)
+        seed = self.config.seed if self.tp_group is None else self.tp_group.shared_seed(self.config.seed)
+        self.sampler = Sampler(seed)
         use_budget = self.config.cpu_threads is not None and device.type == "cpu"
         self.core_budget = CoreBudget(self.config.cpu_threads) if use_budget else None
         self._grammars: GrammarCompiler | None = None  # built on the first structured-output request

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rollout.engine.tensor_parallel import local_shard, local_tensor
+
 ON_UPDATE_MODES = ("keep", "recompute")  # what running requests do with their KV when new weights arrive
 _PREFIXES = ("base_model.model.", "module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 _SKIP = re.compile(r"(lora_|\.original_module\.|\.adapter_|prompt_encoder)")
@@ -156,7 +158,8 @@ class StagedUpdate:
             if tuple(tensor.shape) != tuple(target.shape):
                 raise WeightUpdateError(f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, the generation "
                                         f"model has {tuple(target.shape)}")
-            value = tensor.detach()
+            # Under tensor parallelism each rank stages the part its shard holds, cut from a full tensor or a DTensor.
+            value, target = local_shard(tensor.detach(), target), local_tensor(target)
             check_value(name, value, target)
             if transient:
                 value = value.to(device=target.device, dtype=target.dtype, copy=True)
