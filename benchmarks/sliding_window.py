@@ -7,6 +7,7 @@ harness-only patch of engine internals. Same model, same requests, one invocatio
 
     python benchmarks/sliding_window.py                       # 1 sequence, then 32 sequences in a cache for 4
     python benchmarks/sliding_window.py --new-tokens 1024 --sequences 16
+    python benchmarks/sliding_window.py --shared-prefix 1024 --new-tokens 64   # prefix caching on a sliding model
 """
 
 from __future__ import annotations
@@ -58,6 +59,24 @@ def run(model, sequences: int, new_tokens: int, num_blocks: int, reclaim: bool) 
                 tok_s=sequences * new_tokens / wall)
 
 
+def shared_prefix(model, requests: int, prefix: int, new_tokens: int, caching: bool) -> dict:
+    """Requests whose prompts share `prefix` tokens (a system prompt, a few-shot block), prefix cache on or off
+    (off: the engine before sliding models kept it, as transformers does)."""
+    engine = LLMEngine(model, config=ContinuousBatchingConfig(page_size=PAGE, allow_block_sharing=caching))
+    g = torch.Generator().manual_seed(2)
+    head = torch.randint(0, 4096, (prefix,), generator=g).tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request(head + torch.randint(0, 4096, (PROMPT,), generator=g).tolist(), f"s{i}", params)
+    start = time.perf_counter()
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.generated_tokens) for o in engine.step() if o.is_finished())
+    stats = engine.stats()
+    return dict(wall_s=time.perf_counter() - start, prefill_tokens=stats.prefill_tokens,
+                hit_tokens=stats.prefix_hit_tokens, outputs=outputs)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--window", type=int, default=512)
@@ -65,9 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sequences", type=int, default=32, help="sequences of the concurrency run")
     p.add_argument("--room-for", type=int, default=4, help="the concurrency run's cache holds this many full sequences")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="instead: 8 requests whose prompts share this many tokens, prefix cache off and on")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = build_model(args.window)
+    if args.shared_prefix:
+        return print_shared_prefix(model, args)
     full = -(-(PROMPT + args.new_tokens) // PAGE)
     rows = []
     for label, sequences, blocks in (("one sequence", 1, full + 8),
@@ -84,6 +107,19 @@ def main(argv: list[str] | None = None) -> None:
           f"threads={args.threads}, torch {env['torch']}, commit {env.get('git_commit')}")
     print(format_table(["run", "reclaim", "cache blocks", "peak blocks", "peak KV MiB", "most running", "preemptions",
                         "prefill tokens", "wall s", "tok/s", "finished"], rows))
+
+
+def print_shared_prefix(model, args) -> None:
+    runs = {caching: shared_prefix(model, 8, args.shared_prefix, args.new_tokens, caching) for caching in (False, True)}
+    rows = [["on" if caching else "off", r["prefill_tokens"], r["hit_tokens"], f"{r['wall_s']:.1f}",
+             f"{runs[False]['wall_s'] / r['wall_s']:.2f}x", "yes" if r["outputs"] == runs[False]["outputs"] else "no"]
+            for caching, r in runs.items()]
+    env = environment()
+    print(f"Sliding window {args.window}: 8 requests, {args.shared_prefix} shared + {PROMPT} own prompt tokens, "
+          f"{args.new_tokens} greedy tokens each, page {PAGE}, fp32, threads={args.threads}, cpu flags "
+          f"{env['cpu_flags']}, commit {env.get('git_commit')}")
+    print(format_table(["prefix cache", "prefill tokens", "prefix-hit tokens", "wall s", "speed-up", "same tokens"],
+                       rows))
 
 
 if __name__ == "__main__":

@@ -104,8 +104,10 @@ class LLMEngine:
         # every layer slides over the same window: pages behind it go back to the pool as sequences grow
         self.reclaim_window = windows[0] if self.sliding_window and len(set(windows)) == 1 else None
         self.runner.fast_path_blocks = self.config.resolve_fast_path_blocks(self.runner.use_flash, self.sliding_window)
+        # prefix caching: full attention, or every layer over one window (a hit needs only what the window reads);
+        # hybrids keep it off, as their layers of both kinds share one block table
         self.pool = BlockPool(num_blocks, enable_prefix_cache=self.config.allow_block_sharing
-                              and not self.sliding_window)
+                              and (not self.sliding_window or self.reclaim_window is not None))
         self.scheduler = Scheduler(
             self.pool, page, batch_tokens, max_requests,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin,

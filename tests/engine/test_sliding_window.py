@@ -98,3 +98,28 @@ def test_a_fully_sliding_model_holds_a_window_of_blocks(kind):
 def test_a_hybrid_model_keeps_every_block(kind):
     held, out = _decode_blocks(sliding_model(kind), 60)
     assert out.error is None and held == -(-(20 + 60 - 1) // 4)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_fully_sliding_model_reuses_the_cached_window_of_a_shared_prefix(path):
+    """A prompt sharing 30 tokens with one that ran before hits the prefix cache with the blocks its window reads
+    (the earlier ones were reclaimed and may be gone), and still generates model.generate's tokens."""
+    model = sliding_model("mistral")
+    engine = LLMEngine(model, config=ContinuousBatchingConfig(page_size=4, num_blocks=64, **PATHS[path]))
+    shared = random_prompts([30], seed=5)[0]
+    prompts = [shared + [1, 2], shared + [3, 4, 5]]
+    outputs = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, f"p{i}", greedy(MAX_NEW, ignore_eos=True))
+        while engine.has_unfinished():
+            outputs.update((o.request_id, o) for o in engine.step() if o.is_finished())
+            engine.check_invariants()
+    assert engine.stats().prefix_hit_tokens == 28  # 7 full shared blocks, of which the window reads 3
+    for i, prompt in enumerate(prompts):
+        ref, safe = greedy_reference(model, prompt, MAX_NEW)
+        assert safe >= MAX_NEW // 2 and outputs[f"p{i}"].generated_tokens[:safe] == ref[:safe]
+
+
+def test_a_hybrid_model_does_not_cache_prefixes():
+    engine = LLMEngine(sliding_model("gemma2"), config=ContinuousBatchingConfig(page_size=4))
+    assert not engine.pool.enable_prefix_cache

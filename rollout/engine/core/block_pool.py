@@ -108,6 +108,10 @@ class BlockPool:
         self.ref_counts[block] += 1
         return block
 
+    def is_cached(self, key: int) -> bool:
+        """Whether a block holds `key` (a lookup would hit); changes nothing."""
+        return self.enable_prefix_cache and key in self._hash_to_block
+
     def is_referenced(self, key: int) -> bool:
         """Whether the block cached under `key` is held by some sequence now (a lookup would cost no free block)."""
         block = self._hash_to_block.get(key) if self.enable_prefix_cache else None

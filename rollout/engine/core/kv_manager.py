@@ -6,7 +6,8 @@ published to the prefix cache once the step that fills them is planned, the part
 shared when an n-sample group forks off its prefill, and everything freed tail first (cached heads outlive tails).
 Finished sequences asked to keep their KV park here (`kept_kv`) until a continuation adopts it or room is needed.
 In a model whose every layer attends over a sliding window, the leading blocks no future query can reach go back to
-the pool as the sequence grows (`reclaim`), so a sequence holds about a window of KV however long it gets.
+the pool as the sequence grows (`reclaim`), so a sequence holds about a window of KV however long it gets; a prefix
+hit there needs only the cached blocks its window reads.
 With a swap space, a preempted sequence's blocks can be copied to CPU memory and back (`swap_out`, and `allocate`
 brings them back) instead of being recomputed.
 Every piece of block arithmetic is written once, here.
@@ -60,7 +61,7 @@ class KVManager:
         query at position `num_computed` reads keys from `num_computed - window + 1` on, and later ones read later."""
         if self.window is None or request.host_blocks:
             return
-        dead = max(0, request.num_computed - self.window + 1) // self.page_size
+        dead = self.first_read_block(request.num_computed)
         if dead > request.num_reclaimed_blocks:
             self.pool.release(request.block_table[request.num_reclaimed_blocks:dead])
             request.num_reclaimed_blocks = dead
@@ -94,18 +95,34 @@ class KVManager:
         request.kv_version = weight_version
         request.block_hashes = hash_chain(request.tokens, self.page_size, weight_version)
         request.num_hashed_blocks = 0
-        # Blocks whose logits a prompt logprob still needs are recomputed, not reused (see prompt_logprobs.py).
-        for key in request.block_hashes[:request.max_cached_tokens // self.page_size]:
-            block = self.pool.lookup(key)
-            if block is None:
-                break
-            request.block_table.append(block)
-        # Always leave at least one token to compute: it yields the logits for the next sample.
-        if len(request.block_table) * self.page_size >= len(request.tokens):
-            self.pool.release([request.block_table.pop()])
+        # Blocks whose logits a prompt logprob still needs are recomputed, not reused (see prompt_logprobs.py), and
+        # at least one token is left to compute: it yields the logits for the next sample.
+        usable = min(request.max_cached_tokens, len(request.tokens) - 1) // self.page_size
+        hits, first = self._prefix_hit(request.block_hashes[:usable])
+        request.block_table = [0] * first  # placeholders for blocks behind the window: no kernel reads them
+        request.block_table += [self.pool.lookup(key) for key in request.block_hashes[first:hits]]
+        request.num_reclaimed_blocks = first
         request.num_computed = len(request.block_table) * self.page_size
         request.num_hashed_blocks = len(request.block_table)
         request.num_prefix_hit_tokens = request.num_computed
+
+    def _prefix_hit(self, keys: list[int]) -> tuple[int, int]:
+        """(blocks of the longest reusable prefix, how many leading ones of them need no KV). Without a window the
+        prefix must be cached from its first block on. Under a sliding window only the blocks the next token's
+        window reads must be cached: the sequence then starts as if it had reclaimed the ones before."""
+        cached = [self.pool.is_cached(key) for key in keys]
+        if self.window is None:
+            hits = cached.index(False) if False in cached else len(cached)
+            return hits, 0
+        for hits in range(len(keys), 0, -1):
+            first = self.first_read_block(hits * self.page_size)
+            if all(cached[first:hits]):
+                return hits, first
+        return 0, 0
+
+    def first_read_block(self, num_computed: int) -> int:
+        """The first block the sliding window of the token at position `num_computed` reads."""
+        return max(0, num_computed - self.window + 1) // self.page_size
 
     def publish_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
         """Publish the blocks that are full once `num_tokens` are computed; returns those newly published.

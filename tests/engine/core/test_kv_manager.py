@@ -231,12 +231,12 @@ WINDOW = 6
 
 
 class SlidingKVTrace(KVTrace):
-    """The same trace for a model whose every layer slides over WINDOW keys (no prefix cache, as for any sliding
-    model): blocks behind the window go back to the pool, and none that a future query reads ever does."""
+    """The same trace for a model whose every layer slides over WINDOW keys: blocks behind the window go back to the
+    pool, none that a future query reads ever does, and a prefix hit holds every block its window reads."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVManager(BlockPool(12, enable_prefix_cache=False), PAGE, lambda src, dst, n: None, window=WINDOW)
+        self.kv = KVManager(BlockPool(12), PAGE, lambda src, dst, n: None, window=WINDOW)
 
     @invariant()
     def window_kept_and_the_rest_given_back(self):
@@ -268,3 +268,25 @@ def test_a_sliding_sequence_holds_its_window_however_long_it_grows():
     kv.free(follower)
     kv.free(req)
     assert kv.pool.num_free == 4
+
+
+def test_a_sliding_prefix_hit_needs_only_the_blocks_its_window_reads():
+    kv = KVManager(BlockPool(16), PAGE, lambda src, dst, n: None, window=WINDOW)
+    first = request("a", range(30))
+    kv.attach_prefix(first, 0)
+    compute(kv, first)  # 7 full blocks published, 2 tokens in block 7
+    kv.reclaim(first)  # token 30's window starts at 25: blocks 0-5 go back to the pool, still cached
+    taken = kv.pool.allocate(8 + 3)  # the 8 free blocks, then the 3 oldest cached ones: blocks 0-2 are evicted
+    kv.free(first)
+    third = request("c", [*range(30), 7, 7])
+    kv.attach_prefix(third, 0)
+    # all 7 shared blocks hit: token 28's window starts at 23, so blocks 5 and 6 are held, 0-4 are placeholders
+    assert third.num_computed == 28 and third.num_reclaimed_blocks == 5
+    assert [kv.pool.ref_counts[b] for b in kv.owned(third)] == [1, 1]
+    kv.free(third)
+    full = KVManager(kv.pool, PAGE)  # without a window the prefix needs block 0, which is gone
+    again = request("d", [*range(30), 7, 7])
+    full.attach_prefix(again, 0)
+    assert again.num_computed == 0
+    kv.pool.release(taken)
+    assert kv.pool.num_free == 16
