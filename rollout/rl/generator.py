@@ -25,6 +25,7 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core.request import RequestStatus
 from rollout.engine.core.sequence_group import sequence_ids
 from rollout.engine.sample.resolve import ResolvedSampling
+from rollout.engine.tensor_parallel import tp_size
 from rollout.manager import ContinuousBatchingManager
 from rollout.rl import scoring
 from rollout.rl.agents.env_calls import EnvCalls
@@ -47,6 +48,10 @@ def generation_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Mo
     TRL patches `forward` onto the model *instance*, and that patched forward keeps calling the trainer's module;
     dropping the copied instance attribute makes the copy run its own weights.
     """
+    if tp_size(model) > 1:
+        raise ValueError(f"the model is sharded over {tp_size(model)} tensor-parallel ranks and its DTensors cannot be "
+                         "copied: pass share_weights=True to generate from it (update_weights still copies each "
+                         "rank's shard of new weights into it)")
     gen = copy.deepcopy(model)
     if "forward" in vars(gen):
         del gen.forward

@@ -85,6 +85,7 @@ def test_two_ranks_generate_like_one_and_stay_in_lock_step(models, tmp_path):
         assert rank["cancelled"][0] == "CANCELLED" and rank["cancelled"][1] < 400
         assert "every rank must pass the same inputs" in rank["divergent_inputs"]
         assert "cannot split the model's 1 KV heads" in rank["mqa"]
+        assert "pass share_weights=True" in rank["copy"]
     # sampling without a seed draws the same tokens on both ranks (rank 0's seed), and cancellation acts at one step
     assert ranks[0]["sampled"] == ranks[1]["sampled"]
     assert ranks[0]["sampled_logprobs"] == ranks[1]["sampled_logprobs"]

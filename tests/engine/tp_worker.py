@@ -46,6 +46,10 @@ def serve(models: Path, rank: int) -> dict:
         outs = generate_batch(model, PROMPTS, GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False), CONFIG)
         seen[f"{arch}_generate_batch"] = [o.generated_tokens for o in outs.values()]
     # the manager and the RL layer, on the Qwen3 model: sampled groups, cancellation, weight updates
+    try:
+        RolloutGenerator(model)
+    except ValueError as err:
+        seen["copy"] = str(err)
     generator = RolloutGenerator(model, continuous_batching_config=CONFIG, share_weights=True)
     sampled = generator.generate(PROMPTS[:2], n=3, sampling_params=SamplingParams(temperature=1.0, max_new_tokens=12))
     seen["sampled"] = [s.completion_ids for s in sampled.samples]
