@@ -36,8 +36,12 @@ def test_model_whose_attention_bypasses_the_interface_is_refused_at_construction
     with pytest.raises(UnsupportedModelError) as info:
         BUILDERS[builder](model)
     message = str(info.value)
+    # what Falcon's layers raise depends on the transformers release (a TypeError from its own math, or the paged
+    # function called without the engine's keyword arguments): the message must name whichever it was
+    cause = info.value.__cause__
+    assert cause is not None
     for words in ("FalconForCausalLM", "AttentionInterface", "_supports_attention_backend", "Llama", "Qwen3",
-                  "GPT-2", "unsupported operand"):
+                  "GPT-2", repr(cause)):
         assert words in message, f"{words!r} missing from {message!r}"
     assert isinstance(info.value, ValueError)
 
