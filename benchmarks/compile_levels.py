@@ -118,7 +118,7 @@ def _plan(rows: int, context: int, chunk: int, page: int, first_block: int):
     for r in range(rows):
         req = Request(f"r{r}", [(7 * r + i) % 4000 for i in range(context)], resolve_sampling(None, None))
         blocks = -(-context // page)
-        req.block_table = list(range(block, block + blocks))
+        req.block_tables = [list(range(block, block + blocks))]
         block += blocks
         req.num_computed = context - chunk
         plan.add(req, chunk)

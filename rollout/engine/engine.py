@@ -14,6 +14,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from rollout.config import DEFAULT_MAX_REQUESTS, ContinuousBatchingConfig
 from rollout.engine.core.block_pool import BlockPool
+from rollout.engine.core.kv_groups import KVGroups
 from rollout.engine.core.request import ErrorKind, Request, RequestOutput, sequence_ids
 from rollout.engine.core.scheduler import Scheduler
 from rollout.engine.core.sequence_group import SequenceGroup
@@ -88,31 +89,28 @@ class LLMEngine:
             self.tp_group = TensorParallelGroup(self.config.cpu_group_timeout)
         page = self.config.page_size
         batch_tokens = self.config.resolve_batch_tokens(device)
-        bytes_per_block = shape.bytes_per_token(dtype) * page
+        self.kv_groups = self._kv_groups(shape, page, dtype, device)
+        bytes_per_block = shape.bytes_per_token(dtype, self.kv_groups.num_slots) * page
         num_blocks = self.config.resolve_num_blocks(bytes_per_block, device, tokens_hint, batch_tokens,
                                                     self.vocab_size)
         if self.tp_group is not None:  # sized by each rank's free memory: every rank takes the smallest
             num_blocks, batch_tokens = self.tp_group.min_ints(num_blocks, batch_tokens)
         max_requests = self.config.max_requests_per_batch or DEFAULT_MAX_REQUESTS
         compiled = build_compiled_forward(self.config, device, batch_tokens)
-        self.cache = PagedKVCache(shape, num_blocks, page, dtype, device, scratch_page=compiled is not None)
+        self.cache = PagedKVCache(shape, num_blocks, page, dtype, device, scratch_page=compiled is not None,
+                                  layer_slots=self.kv_groups.layer_slot)
         self.runner = ModelRunner(model, self.cache, self.config.prepack_weights, self.config.cpu_attention_kernel,
-                                  compiled)
-        self.runner.check_attention()  # UnsupportedModelError now, not a failed forward per request later
-        windows = self.runner.layer_windows() if uses_sliding_window(model.config) else []
-        self.sliding_window = any(w is not None for w in windows)
-        # every layer slides over the same window: pages behind it go back to the pool as sequences grow
-        self.reclaim_window = windows[0] if self.sliding_window and len(set(windows)) == 1 else None
+                                  compiled, self.kv_groups)
+        self.sliding_window = any(w is not None for w in self.kv_groups.windows)
         self.runner.fast_path_blocks = self.config.resolve_fast_path_blocks(self.runner.use_flash, self.sliding_window)
-        # prefix caching: full attention, or every layer over one window (a hit needs only what the window reads);
-        # hybrids keep it off, as their layers of both kinds share one block table
-        self.pool = BlockPool(num_blocks, enable_prefix_cache=self.config.allow_block_sharing
-                              and (not self.sliding_window or self.reclaim_window is not None))
+        # sliding groups give pages behind their window back to the pool as sequences grow; a prefix hit needs every
+        # block of a full group and only what the window reads of a sliding one
+        self.pool = BlockPool(num_blocks, enable_prefix_cache=self.config.allow_block_sharing)
         self.scheduler = Scheduler(
             self.pool, page, batch_tokens, max_requests,
             policy=self.config.scheduler_type, safety_margin=self.config.safety_margin,
             stop=StopChecker(self.max_positions, tokenizer), copy_block=self.cache.copy_block,
-            share_prefills=self.config.allow_block_sharing, window=self.reclaim_window,
+            share_prefills=self.config.allow_block_sharing, windows=self.kv_groups.windows,
             swap=self._swap_space(device, bytes_per_block))
         seed = self.config.seed if self.tp_group is None else self.tp_group.shared_seed(self.config.seed)
         self.sampler = Sampler(seed)
@@ -122,6 +120,21 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._auto_ids = itertools.count()
         self.counters = dict(steps=0, forward_errors=0, peak_used_blocks=0)
+
+    def _kv_groups(self, shape: KVShape, page: int, dtype: torch.dtype, device: torch.device) -> KVGroups:
+        """Check that every layer's attention reaches the engine (UnsupportedModelError now, not a failed forward per
+        request later) and group the layers by the window each slides over, in a one-token dry run on a one-block
+        cache: the real cache's layout depends on the groups."""
+        probe = ModelRunner(self.model, PagedKVCache(shape, 1, page, dtype, device), prepack_weights=False,
+                            attention_kernel=False)
+        probe.check_attention()
+        if not uses_sliding_window(self.model.config):
+            return KVGroups.single(shape.num_layers)
+        groups = KVGroups.from_layer_windows(probe.layer_windows())
+        if groups.num_groups > 1:
+            logger.info("%s mixes attention kinds (windows %s): %d KV groups of %d layers, one block table each",
+                        type(self.model).__name__, groups.windows, groups.num_groups, groups.num_slots)
+        return groups
 
     def _swap_space(self, device: torch.device, bytes_per_block: int) -> SwapSpace | None:
         """The CPU swap space `cpu_offload_space` asks for (None when it is off or too small for one block)."""

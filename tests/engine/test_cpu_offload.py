@@ -3,7 +3,7 @@ swap space and comes back, so nothing is recomputed, and the tokens are model.ge
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
 from rollout import ContinuousBatchingConfig, LLMEngine, SamplingParams
 from rollout.engine.core.swap_space import PreemptionCosts
@@ -99,6 +99,22 @@ def test_a_sliding_model_swaps_only_the_window_it_holds():
     for i, prompt in enumerate(prompts):
         ref, safe = greedy_reference(model, prompt, 40)
         assert done[f"r{i}"].generated_tokens[:safe] == ref[:safe]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_hybrid_model_swaps_its_full_and_sliding_groups(path):
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(**{**COMMON, "head_dim": 16, "sliding_window": 8})).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear argmax margins
+    prompts = random_prompts([8, 8, 8], seed=7)
+    engine = engine_for(model, num_blocks=24, **PATHS[path])  # 48 tokens: 12 full + 3 sliding blocks each
+    done = run(engine, prompts, greedy(40, ignore_eos=True))
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.swapped_in_blocks > 0 and stats.prefill_tokens == 24
+    for i, prompt in enumerate(prompts):
+        ref, safe = greedy_reference(model, prompt, 40)
+        assert safe >= 20 and done[f"r{i}"].generated_tokens[:safe] == ref[:safe]
 
 
 def test_the_swap_space_is_sized_from_the_config(model):

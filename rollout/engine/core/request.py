@@ -106,7 +106,7 @@ class Request:
 
     __slots__ = (
         "block_hashes",
-        "block_table",
+        "block_tables",
         "created_time",
         "error",
         "error_kind",
@@ -120,7 +120,7 @@ class Request:
         "num_computed",
         "num_hashed_blocks",
         "num_prefix_hit_tokens",
-        "num_reclaimed_blocks",
+        "num_reclaimed",
         "policy_logprobs",
         "policy_top_logprobs",
         "prompt_ids",
@@ -149,16 +149,18 @@ class Request:
         self.tokens = list(prompt_ids)
         self.sampling = sampling
         self.status = RequestStatus.PENDING
-        self.block_table: list[int] = []
+        # one block table per KV group (kv_groups.py), all of one length while the request holds its KV; [] while
+        # it holds none
+        self.block_tables: list[list[int]] = []
         self.num_computed = 0
-        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
-        # leading blocks of block_table given back because no future query's sliding window reaches them: their ids
-        # stay in the table as placeholders (attention never reads them), the pool owns them again
-        self.num_reclaimed_blocks = 0
+        self.num_hashed_blocks = 0  # leading blocks of each table registered in the prefix cache
+        # per group: leading blocks of its table given back because no future query's sliding window reaches them:
+        # their ids stay in the table as placeholders (attention never reads them), the pool owns them again
+        self.num_reclaimed: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full blocks of `tokens` (computed lazily)
-        # preempted into the swap space: the host blocks holding what followed the placeholders of block_table, while
-        # it waits (num_computed stays; the blocks come back when it resumes)
-        self.host_blocks: list[int] = []
+        # preempted into the swap space: per group, the host blocks holding what followed its placeholders, while it
+        # waits (num_computed stays; the blocks come back when it resumes); [] when nothing is swapped out
+        self.host_blocks: list[list[int]] = []
         self.logprobs: list[float] = []
         self.policy_logprobs: list[float] = []
         self.kept_logmass: list[float] = []
@@ -256,4 +258,5 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, tokens={len(self.tokens)}, "
-                f"computed={self.num_computed}, blocks={len(self.block_table)}, swapped={len(self.host_blocks)})")
+                f"computed={self.num_computed}, blocks={sum(map(len, self.block_tables))}, "
+                f"swapped={sum(map(len, self.host_blocks))})")

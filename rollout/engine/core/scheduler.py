@@ -49,9 +49,9 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, page_size: int, max_batch_tokens: int, max_requests_per_batch: int,
                  policy: str = "fifo", safety_margin: float = 0.0, stop: StopChecker | None = None,
-                 copy_block: CopyBlock | None = None, share_prefills: bool = True, window: int | None = None,
-                 swap: SwapSpace | None = None) -> None:
-        self.kv = KVManager(pool, page_size, copy_block, window, swap)
+                 copy_block: CopyBlock | None = None, share_prefills: bool = True,
+                 windows: Sequence[int | None] = (None,), swap: SwapSpace | None = None) -> None:
+        self.kv = KVManager(pool, page_size, copy_block, windows, swap)
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens

@@ -12,10 +12,10 @@ class StepPlan:
     """Which tokens of which requests to run this step.
 
     Entry `i` runs `query_lens[i]` tokens of `requests[i]` starting at position `start_positions[i]`; its KV for
-    positions `[0, start + query_len)` lives in the slots of `block_tables[i]`. `sample_rows` lists the entries whose
-    pending tokens are all covered by this step: their last position yields logits and a new token. `sampled[j]` draws
-    a token from logits row `logit_rows[j]` (an index into `sample_rows`): a group's sequences that fork off a prefill
-    all draw from their leader's row.
+    positions `[0, start + query_len)` lives in the slots of `block_tables[i]` (one table per KV group).
+    `sample_rows` lists the entries whose pending tokens are all covered by this step: their last position yields
+    logits and a new token. `sampled[j]` draws a token from logits row `logit_rows[j]` (an index into `sample_rows`): a
+    group's sequences that fork off a prefill all draw from their leader's row.
 
     Two kinds of entries ask for something else: `prefilled` lists those whose pending tokens are all covered but that
     sample nothing (`max_new_tokens=0`: they finish after this step, and need no logits), and each
@@ -27,7 +27,7 @@ class StepPlan:
     token_ids: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     start_positions: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    block_tables: list[list[list[int]]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     sampled: list[Request] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
@@ -53,7 +53,7 @@ class StepPlan:
         self.token_ids.extend(request.tokens[start:start + num_tokens])
         self.query_lens.append(num_tokens)
         self.start_positions.append(start)
-        self.block_tables.append(request.block_table)
+        self.block_tables.append(request.block_tables)
         entry = len(self.requests) - 1
         if start + num_tokens == len(request.tokens):
             (self.prefilled if request.sampling.max_new_tokens == 0 else self.sample_rows).append(entry)

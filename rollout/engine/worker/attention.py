@@ -138,6 +138,7 @@ class AttentionBatch:
     kernel: KernelBatch | None = None  # set when the CPU kernel serves this step
     scratch: GatherScratch | None = None
     calls: list[tuple[int, int | None]] | None = None  # when set, each layer appends (index, sliding window)
+    by_layer: list[AttentionBatch] | None = None  # several KV groups: the batch of each layer's group
 
 
 class GatherScratch:
@@ -202,13 +203,15 @@ def _attend(q, k, v, mask, scaling, softcap, is_causal=False):
 
 
 class StepTensors(NamedTuple):
-    """The compiled forward's per-step attention metadata: tensors, plus two constants of the engine, so dynamo
-    guards on shapes alone. `keys`/`values` are the cache's per-layer lists (the same tensors every step)."""
+    """The compiled forward's per-step attention metadata: tensors, plus constants of the engine, so dynamo guards
+    on shapes alone. `keys`/`values` are the cache's per-layer lists (the same tensors every step); slots and tables
+    come one per KV group, and `layer_group` says which a layer uses."""
 
-    slots: torch.Tensor  # [T] where each token's K/V is written
+    slots: tuple[torch.Tensor, ...]  # per group: [T] where each token's K/V is written
     positions: torch.Tensor  # [T] each token's position in its row
     token_rows: torch.Tensor  # [T] each token's row of `tables`
-    tables: torch.Tensor  # [R, max_blocks] block ids per row
+    tables: tuple[torch.Tensor, ...]  # per group: [R, max_blocks] block ids per row
+    layer_group: tuple[int, ...]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     page_size: int
@@ -278,9 +281,11 @@ def _compiled_step_attention(module, query: torch.Tensor, key: torch.Tensor, val
                              scaling: float | None, step: StepTensors, kwargs: dict) -> torch.Tensor:
     """The layer's attention on the compiled path: one opaque op call, `[1, T, H, D]`."""
     layer = module.layer_idx
+    group = step.layer_group[layer]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.rollout.paged_attention(query, key, value, step.keys[layer], step.values[layer], step.slots,
-                                            step.positions, step.token_rows, step.tables, step.page_size,
+    out = torch.ops.rollout.paged_attention(query, key, value, step.keys[layer], step.values[layer],
+                                            step.slots[group], step.positions, step.token_rows, step.tables[group],
+                                            step.page_size,
                                             float(scale), int(kwargs.get("sliding_window") or 0),
                                             float(kwargs.get("softcap") or 0.0), step.use_kernel)
     return out.unsqueeze(0)
@@ -301,6 +306,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     window = kwargs.get("sliding_window")
     if batch.calls is not None:
         batch.calls.append((layer, window))
+    if batch.by_layer is not None:
+        batch = batch.by_layer[layer]
     cache = batch.cache
     softcap = kwargs.get("softcap")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -270,8 +270,9 @@ class CompiledForward:
                 logger.info("the compiled graph no longer fits this step (%s); going back through dynamo", err)
                 del self._direct[key]
         torch._dynamo.mark_dynamic(keep, 0)
-        torch._dynamo.mark_dynamic(step.tables, 0)
-        torch._dynamo.mark_dynamic(step.tables, 1)
+        for tables in step.tables:
+            torch._dynamo.mark_dynamic(tables, 0)
+            torch._dynamo.mark_dynamic(tables, 1)
         _last_graph.value = None
         with _DYNAMO_SETTINGS:
             logits = path.fn(model, input_ids, position_ids, keep, step)

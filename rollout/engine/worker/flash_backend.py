@@ -47,6 +47,9 @@ class FlashBatch:
     kv_cache_kernel: bool = False  # a decode-only step `flash_attn_with_kvcache` serves (the decode fast path)
 
 
+FLASH_HOST_TENSORS = 4  # what flash_host_tensors returns
+
+
 def flash_host_tensors(tables: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor
                        ) -> list[torch.Tensor]:
     """The kernels' metadata built on the host, int64 like the rest of the step it travels to the device with:

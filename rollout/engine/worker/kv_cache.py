@@ -2,7 +2,8 @@
 
 Each layer keeps K and V as `[num_blocks * page_size, num_kv_heads, head_dim]`, so a token's place in the cache is one
 integer, its slot: `block * page_size + offset`. Writes are one `index_copy_` per layer and reads one gather, whatever
-the batch looks like.
+the batch looks like. In a model with several KV groups (core/kv_groups.py) layer `i` of every group shares one such
+tensor pair (`layer_slots`): a block belongs to one group at a time, so their pages never collide.
 
 The storage is allocated once but left untouched. The CPU kernel and flash-attn read only slots that hold a token's
 K/V; the PyTorch path reads whole pages, so there a block is zeroed the first time a step uses it (masked-out slots
@@ -12,6 +13,7 @@ the workload really reaches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +36,11 @@ class KVShape:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         return cls(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim)
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
+    def bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """K and V bytes of one token in `num_layers` layers (all of them by default)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        layers = self.num_layers if num_layers is None else num_layers
+        return 2 * layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
@@ -51,7 +55,7 @@ class PagedKVCache:
     """K and V storage for every layer, allocated once and never reallocated (weight updates keep it in place)."""
 
     def __init__(self, shape: KVShape, num_blocks: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device, scratch_page: bool = False) -> None:
+                 device: torch.device, scratch_page: bool = False, layer_slots: Sequence[int] | None = None) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         self.page_size = page_size
@@ -61,9 +65,13 @@ class PagedKVCache:
         # tokens write their K/V there (compiled_forward.py)
         self.scratch_block = num_blocks if scratch_page else None
         slots = (num_blocks + scratch_page) * page_size
-        self.keys = [torch.empty(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
-                     for _ in range(shape.num_layers)]
-        self.values = [torch.empty_like(k) for k in self.keys]
+        layer_slots = list(range(shape.num_layers)) if layer_slots is None else list(layer_slots)
+        num_tensors = max(layer_slots) + 1
+        # the tensors themselves, once each (layers of different KV groups share them)
+        self.tensors = [torch.empty(slots, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+                        for _ in range(2 * num_tensors)]
+        self.keys = [self.tensors[slot] for slot in layer_slots]  # per layer
+        self.values = [self.tensors[num_tensors + slot] for slot in layer_slots]
         self._ready = torch.zeros(num_blocks, dtype=torch.bool)  # blocks zeroed at least once
 
     def prepare(self, blocks: torch.Tensor) -> None:
@@ -85,12 +93,12 @@ class PagedKVCache:
 
     def zero_blocks(self, blocks: torch.Tensor) -> None:
         """Zero whole blocks of every layer; `blocks` on the cache's device."""
-        for cache in self.keys + self.values:
+        for cache in self.tensors:
             cache.view(-1, self.page_size, *cache.shape[1:]).index_fill_(0, blocks, 0)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store `key`/`value` (`[tokens, kv_heads, head_dim]`) at `slots`."""
@@ -102,7 +110,7 @@ class PagedKVCache:
         s, d = src * self.page_size, dst * self.page_size
         fresh = not self._ready[dst]  # zero it now, or the next step's prepare() would wipe the copy
         self._ready[dst] = True
-        for cache in self.keys + self.values:
+        for cache in self.tensors:
             if fresh:
                 cache[d + n:d + self.page_size].zero_()  # a slice, not an index tensor: nothing to send
             cache[d:d + n].copy_(cache[s:s + n])
@@ -113,7 +121,7 @@ class PagedKVCache:
 
     def data_ptrs(self) -> list[int]:
         """Storage addresses, so tests can prove a weight update left the cache where it was."""
-        return [t.data_ptr() for t in self.keys + self.values]
+        return [t.data_ptr() for t in self.tensors]
 
 
 class HostKVStorage:
@@ -125,10 +133,10 @@ class HostKVStorage:
         self.num_blocks = num_blocks
         pin = cache.device.type != "cpu"
         page = (num_blocks, cache.page_size, cache.shape.num_kv_heads, cache.shape.head_dim)
-        self.pages = [torch.empty(page, dtype=cache.dtype, pin_memory=pin) for _ in cache.keys + cache.values]
+        self.pages = [torch.empty(page, dtype=cache.dtype, pin_memory=pin) for _ in cache.tensors]
 
     def _cache_pages(self) -> list[torch.Tensor]:
-        return [t.view(-1, self.cache.page_size, *t.shape[1:]) for t in self.cache.keys + self.cache.values]
+        return [t.view(-1, self.cache.page_size, *t.shape[1:]) for t in self.cache.tensors]
 
     def copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Cache blocks -> host blocks, every layer (whole pages: a partial last page's tail is copied as it is)."""

@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from rollout.engine.core.kv_groups import KVGroups
 from rollout.engine.core.request import Request
 from rollout.engine.core.step import StepPlan
 from rollout.engine.cpu.features import cpu_features
@@ -30,7 +32,12 @@ from rollout.engine.worker.attention import (
     engine_attention,
 )
 from rollout.engine.worker.compiled_forward import MIN_DIM, CompiledForward, CompiledPath, pad_to
-from rollout.engine.worker.flash_backend import build_flash_batch, flash_host_tensors, flash_usable
+from rollout.engine.worker.flash_backend import (
+    FLASH_HOST_TENSORS,
+    build_flash_batch,
+    flash_host_tensors,
+    flash_usable,
+)
 from rollout.engine.worker.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -81,6 +88,16 @@ def _length_buckets(rows: torch.Tensor, lens: torch.Tensor) -> list[torch.Tensor
     return list(rows.tensor_split(count))
 
 
+@dataclass
+class _GroupHost:
+    """What `build_batch` keeps of one KV group between building its host tensors and receiving them on the
+    device: its block tables, whether fresh pages travel to be zeroed, and the PyTorch path's attention parts."""
+
+    tables: torch.Tensor
+    fresh: bool = False
+    parts: tuple[list[DecodeBucket], list[PrefillSegment], list[PrefillGroup]] | None = None
+
+
 PREFILL_PADDING = 2  # a group of prefill chunks may do this many times its chunks' own work, padding included
 
 
@@ -107,9 +124,11 @@ class ModelRunner:
     """Owns nothing but the forward: the model is whatever module it was given (possibly the trainer's own)."""
 
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, prepack_weights: bool | None = None,
-                 attention_kernel: bool | None = None, compiled: CompiledForward | None = None) -> None:
+                 attention_kernel: bool | None = None, compiled: CompiledForward | None = None,
+                 groups: KVGroups | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.groups = groups or KVGroups.single(cache.shape.num_layers)  # which block table each layer reads
         self.device = cache.device
         self.page_size = cache.page_size
         self.use_flash = flash_usable(cache.device, cache.dtype, cache.page_size)
@@ -173,7 +192,7 @@ class ModelRunner:
         """One forward of one token written to slot 0 (no request owns a block yet): (layer index, sliding window)
         of each call that reached the paged attention, and how many logit rows came back."""
         probe = Request("attention-check", [0], resolve_sampling(None, None))
-        probe.block_table = [0]
+        probe.block_tables = [[0] for _ in range(self.groups.num_groups)]
         plan = StepPlan()
         plan.add(probe, 1)
         inputs, keep = self.build_batch(plan)
@@ -213,41 +232,60 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> tuple[dict, torch.Tensor]:
         """Model inputs for the packed varlen batch, and the packed indices whose logits are needed."""
-        page = self.page_size
         query_lens, starts, offsets, row_of_token, positions = self._layout(plan)
         ends = starts + query_lens
-
-        max_blocks = max(len(t) for t in plan.block_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in plan.block_tables], dtype=torch.long)
-        slots = tables[row_of_token, positions // page] * page + positions % page
         keep = self._keep(plan, query_lens, offsets)
-        host = [slots, torch.tensor(plan.token_ids, dtype=torch.long), positions, keep]
-        fresh = parts = None
+        host = [torch.tensor(plan.token_ids, dtype=torch.long), positions, keep]
+        layouts = [self._group_host(plan, group, host, query_lens, ends, offsets, row_of_token, positions)
+                   for group in range(self.groups.num_groups)]
+        moved = self._send(host)  # one copy; the device tensors in the order of `host`
+        rest = iter(moved[3:])
+        batches = [self._group_batch(layout, rest, query_lens, ends, row_of_token, positions) for layout in layouts]
+        batch = batches[0]
+        if len(batches) > 1:
+            batch.by_layer = [batches[group] for group in self.groups.layer_group]
+        inputs = {"input_ids": moved[0][None], "position_ids": moved[1][None], "rollout_batch": batch}
+        return inputs, moved[2]
+
+    def _group_host(self, plan: StepPlan, group: int, host: list[torch.Tensor], query_lens: torch.Tensor,
+                    ends: torch.Tensor, offsets: torch.Tensor, row_of_token: torch.Tensor,
+                    positions: torch.Tensor) -> _GroupHost:
+        """One KV group's metadata on the host: its block tables, and the tensors appended to `host` (the slots its
+        layers write, then what the attention path needs) for `_group_batch` to take back in the same order."""
+        page = self.page_size
+        rows = [tables[group] for tables in plan.block_tables]
+        width = max(len(t) for t in rows)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
+        host.append(tables[row_of_token, positions // page] * page + positions % page)
+        layout = _GroupHost(tables)
         if self.use_flash:
             host += flash_host_tensors(tables, query_lens, ends)
         elif not self.use_kernel:
             fresh = self.cache.take_fresh(tables.flatten())  # only page gathers read slots no token wrote yet
+            layout.fresh = fresh is not None
             host += [] if fresh is None else [fresh]
-            parts = self._sdpa_parts(tables, query_lens, ends, offsets)
-            host += [getattr(part, name) for kind in parts for part in kind for name in part.TENSORS]
-        moved = self._send(host)  # one copy; the device tensors in the order of `host`
+            layout.parts = self._sdpa_parts(tables, query_lens, ends, offsets)
+            host += [getattr(part, name) for kind in layout.parts for part in kind for name in part.TENSORS]
+        return layout
 
-        batch = AttentionBatch(cache=self.cache, slots=moved[0], scratch=self.scratch)
+    def _group_batch(self, layout: _GroupHost, moved: Iterator[torch.Tensor], query_lens: torch.Tensor,
+                     ends: torch.Tensor, row_of_token: torch.Tensor, positions: torch.Tensor) -> AttentionBatch:
+        """The AttentionBatch of one group, from its tensors as they arrived on the device (`moved`, in the order
+        `_group_host` appended them)."""
+        batch = AttentionBatch(cache=self.cache, slots=next(moved), scratch=self.scratch)
         if self.use_flash:
-            batch.flash = build_flash_batch(moved[4:], query_lens, ends, self.fast_path_blocks)
+            batch.flash = build_flash_batch([next(moved) for _ in range(FLASH_HOST_TENSORS)], query_lens, ends,
+                                            self.fast_path_blocks)
         elif self.use_kernel:
-            batch.kernel = KernelBatch(positions, row_of_token, tables)
+            batch.kernel = KernelBatch(positions, row_of_token, layout.tables)
         else:
-            rest = iter(moved[4:])
-            if fresh is not None:
-                self.cache.zero_blocks(next(rest))
-            if moved is not host:
-                for part in (part for kind in parts for part in kind):
-                    for name in part.TENSORS:
-                        setattr(part, name, next(rest))
-            batch.decode, batch.prefills, batch.prefill_groups = parts
-        inputs = {"input_ids": moved[1][None], "position_ids": moved[2][None], "rollout_batch": batch}
-        return inputs, moved[3]
+            if layout.fresh:
+                self.cache.zero_blocks(next(moved))
+            for part in (part for kind in layout.parts for part in kind):
+                for name in part.TENSORS:
+                    setattr(part, name, next(moved))
+            batch.decode, batch.prefills, batch.prefill_groups = layout.parts
+        return batch
 
     def _send(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's int64 host tensors on the runner's device, through one copy: each `.to(device)` of its own
@@ -273,27 +311,31 @@ class ModelRunner:
         query_lens, _, offsets, row_of_token, positions = self._layout(plan)
         tokens = plan.num_tokens
         padded = pad_to(tokens, path.q_interval)
-        width = self.compiled.table_width(max(len(t) for t in plan.block_tables), page)
-        rows = [t + [0] * (width - len(t)) for t in plan.block_tables]
+        width = self.compiled.table_width(max(len(tables[0]) for tables in plan.block_tables), page)
         token_ids = plan.token_ids
         if padded > tokens:
-            row_of_token = torch.cat([row_of_token, torch.full((padded - tokens,), len(rows), dtype=torch.long)])
+            row_of_token = torch.cat([row_of_token, torch.full((padded - tokens,), len(plan), dtype=torch.long)])
             positions = torch.cat([positions, torch.zeros(padded - tokens, dtype=torch.long)])
-            rows.append([self.cache.scratch_block] + [0] * (width - 1))
             token_ids = token_ids + [0] * (padded - tokens)
-        rows += [[0] * width] * max(MIN_DIM - len(rows), 0)  # rows no token uses
-        tables = torch.tensor(rows, dtype=torch.long)
-        slots = tables[row_of_token, positions // page] * page + positions % page
+        group_tables = []
+        for group in range(self.groups.num_groups):
+            rows = [tables[group] + [0] * (width - len(tables[group])) for tables in plan.block_tables]
+            if padded > tokens:
+                rows.append([self.cache.scratch_block] + [0] * (width - 1))
+            rows += [[0] * width] * max(MIN_DIM - len(rows), 0)  # rows no token uses
+            group_tables.append(torch.tensor(rows, dtype=torch.long))
+        group_slots = [tables[row_of_token, positions // page] * page + positions % page for tables in group_tables]
 
         keep = self._keep(plan, query_lens, offsets)
         count = len(keep)
         extra = pad_to(count, 0) - count
         if extra:
             keep = torch.cat([keep, keep[-1:].expand(extra) if count else torch.zeros(extra, dtype=torch.long)])
-        slots, token_ids, positions, row_of_token, tables, keep = self._send(
-            [slots, torch.tensor(token_ids, dtype=torch.long), positions, row_of_token, tables, keep])
-        step = StepTensors(slots, positions, row_of_token, tables, self.cache.keys, self.cache.values, page,
-                           self.use_kernel)
+        groups = len(group_tables)
+        token_ids, positions, row_of_token, keep, *moved = self._send(
+            [torch.tensor(token_ids, dtype=torch.long), positions, row_of_token, keep, *group_slots, *group_tables])
+        step = StepTensors(tuple(moved[:groups]), positions, row_of_token, tuple(moved[groups:]),
+                           self.groups.layer_group, self.cache.keys, self.cache.values, page, self.use_kernel)
         inputs = {"input_ids": token_ids[None], "position_ids": positions[None], "keep": keep, "step": step}
         return inputs, count
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from transformers import GenerationConfig
 
-from rollout.engine.core.block_pool import BlockPool
+from rollout.engine.core.block_pool import BlockPool, hash_chain
 from rollout.engine.core.kv_manager import KVManager
 from rollout.engine.core.sequence_group import SequenceGroup
 from rollout.engine.sample.resolve import resolve_sampling
@@ -50,7 +50,7 @@ def test_fit_counts_blocks_and_allocates_nothing():
     assert kv.fit(req, 10) == 10 and kv.pool.num_free == 3
     assert kv.fit(req, 20) == 12  # three blocks of four: the most that fits
     kv.allocate(req, 10)
-    assert len(req.block_table) == 3 and kv.pool.num_free == 0
+    assert len(req.block_tables[0]) == 3 and kv.pool.num_free == 0
     req.num_computed = 10
     assert kv.fit(req, 2) == 2 and kv.fit(req, 3) == 2  # the last block has room for two more
     assert not kv.fits_ever(13) and kv.fits_ever(12)
@@ -68,7 +68,7 @@ def test_prefix_hits_need_the_same_weights_and_leave_a_token_to_compute():
     kv.free(again)
     newer = request("c", range(8))
     kv.attach_prefix(newer, weight_version=1)
-    assert newer.num_computed == 0 and newer.block_table == []
+    assert newer.num_computed == 0 and newer.block_tables == [[]]
     longer = request("d", range(9))
     kv.attach_prefix(longer, weight_version=0)
     assert longer.num_computed == 8
@@ -93,13 +93,14 @@ def test_a_fork_shares_full_blocks_and_copies_the_partial_one():
     compute(kv, leader)
     follower = request("b", range(6))
     assert kv.fork(leader, follower)
-    assert follower.block_table[0] == leader.block_table[0] and follower.block_table[1] != leader.block_table[1]
-    assert copies == [(leader.block_table[1], follower.block_table[1], 2)]
-    assert kv.pool.ref_counts[leader.block_table[0]] == 2 and follower.num_computed == 6
+    (lead,), (follow,) = leader.block_tables, follower.block_tables
+    assert follow[0] == lead[0] and follow[1] != lead[1]
+    assert copies == [(leader.block_tables[0][1], follower.block_tables[0][1], 2)]
+    assert kv.pool.ref_counts[leader.block_tables[0][0]] == 2 and follower.num_computed == 6
     for _ in range(kv.pool.num_free):
         kv.pool.allocate(1)
     assert not kv.fork(leader, request("c", range(6)))  # no block for the partial copy: nothing changes
-    assert kv.pool.ref_counts[leader.block_table[0]] == 2
+    assert kv.pool.ref_counts[leader.block_tables[0][0]] == 2
 
 
 def test_kept_kv_is_adopted_only_by_a_continuation_and_freed_for_room():
@@ -214,7 +215,7 @@ class KVTrace(RuleBasedStateMachine):
     @invariant()
     def pool_matches_tables(self):
         self.kv.check_invariants(self.live)
-        assert all(r.num_computed <= len(r.block_table) * PAGE for r in self.live)
+        assert all(r.num_computed <= len(r.block_tables[0]) * PAGE for r in self.live)
 
     def teardown(self):
         for req in self.live:
@@ -236,24 +237,78 @@ class SlidingKVTrace(KVTrace):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVManager(BlockPool(12), PAGE, lambda src, dst, n: None, window=WINDOW)
+        self.kv = KVManager(BlockPool(12), PAGE, lambda src, dst, n: None, windows=(WINDOW,))
 
     @invariant()
     def window_kept_and_the_rest_given_back(self):
         for r in self.live:
-            first_read = max(0, r.num_computed - WINDOW + 1)  # the next query's first key
-            assert r.num_reclaimed_blocks * PAGE <= first_read, "a block the window still reads was given back"
             self.kv.reclaim(r)
-            assert r.num_reclaimed_blocks == first_read // PAGE
-            assert len(self.kv.owned(r)) <= self.kv.blocks_for(r.num_computed - first_read + 1) + 1
+            for g, window in enumerate(self.kv.windows):
+                owned = self.kv.owned_in(r, g)
+                if window is None:  # a full group holds every block
+                    assert r.num_reclaimed[g] == 0 and len(owned) == len(r.block_tables[g])
+                    continue
+                first_read = max(0, r.num_computed - window + 1)  # the next query's first key
+                assert r.num_reclaimed[g] == first_read // PAGE, "a block the window reads was given back, or one " \
+                                                                 "behind it kept"
+                assert len(owned) <= self.kv.blocks_for(r.num_computed - first_read + 1) + 1
 
 
 SlidingKVTrace.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_sliding_kv_manager_trace = SlidingKVTrace.TestCase
 
 
+class HybridKVTrace(SlidingKVTrace):
+    """The same trace with three KV groups, as a hybrid model has them: one full, two sliding over different windows.
+    All of a sequence's tables grow alike, the full one keeps every block, and prefix hits need every block of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVManager(BlockPool(30), PAGE, lambda src, dst, n: None, windows=(None, WINDOW, 2 * WINDOW))
+
+
+HybridKVTrace.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_hybrid_kv_manager_trace = HybridKVTrace.TestCase
+
+
+def test_a_hybrid_prefix_hit_holds_the_full_groups_whole_and_the_sliding_ones_from_their_window():
+    kv = KVManager(BlockPool(40), PAGE, lambda src, dst, n: None, windows=(None, WINDOW))
+    first = request("a", range(30))
+    kv.attach_prefix(first, 0)
+    compute(kv, first)
+    kv.free(first)
+    again = request("b", [*range(30), 7, 7])
+    kv.attach_prefix(again, 0)
+    assert again.num_computed == 28 and again.num_reclaimed == [0, 5]  # token 28's window starts at 23: block 5
+    assert [len(kv.owned_in(again, g)) for g in (0, 1)] == [7, 2]
+    kv.free(again)
+    # drop one full-group block from the cache: the longest hit then ends before it
+    kv.pool.unregister([kv.pool.lookup(kv.group_key(hash_chain(list(range(30)), PAGE, 0)[3], 0))])
+    kv.pool.release([b for b in range(40) if kv.pool.ref_counts[b]])
+    third = request("c", [*range(30), 7, 7])
+    kv.attach_prefix(third, 0)
+    assert third.num_computed == 12 and third.num_reclaimed == [0, 1]
+    kv.free(third)
+    assert kv.pool.num_free == 40
+
+
+def test_a_hybrid_fork_copies_each_groups_partial_block():
+    copies = []
+    kv = KVManager(BlockPool(12), PAGE, lambda src, dst, n: copies.append((src, dst, n)), windows=(None, WINDOW))
+    leader = request("a", range(6))
+    kv.attach_prefix(leader, 0)
+    compute(kv, leader)
+    follower = request("b", range(6))
+    assert kv.fork(leader, follower)
+    assert copies == [(leader.block_tables[g][1], follower.block_tables[g][1], 2) for g in (0, 1)]
+    assert [t[0] for t in follower.block_tables] == [t[0] for t in leader.block_tables]
+    for _ in range(kv.pool.num_free - 1):
+        kv.pool.allocate(1)
+    assert not kv.fork(leader, request("c", range(6)))  # one free block, two partial copies needed
+
+
 def test_a_sliding_sequence_holds_its_window_however_long_it_grows():
-    kv = KVManager(BlockPool(4, enable_prefix_cache=False), PAGE, lambda src, dst, n: None, window=WINDOW)
+    kv = KVManager(BlockPool(4, enable_prefix_cache=False), PAGE, lambda src, dst, n: None, windows=(WINDOW,))
     assert kv.fits_ever(1000) and not KVManager(BlockPool(4), PAGE).fits_ever(1000)
     req = request("a", range(7))
     for _ in range(200):
@@ -261,7 +316,7 @@ def test_a_sliding_sequence_holds_its_window_however_long_it_grows():
         req.tokens.append(1)
         assert len(kv.owned(req)) <= 3 and kv.pool.num_free + len(kv.owned(req)) == 4
     kv.reclaim(req)
-    assert req.num_reclaimed_blocks == (req.num_computed - WINDOW + 1) // PAGE == 50
+    assert req.num_reclaimed[0] == (req.num_computed - WINDOW + 1) // PAGE == 50
     follower = request("b", req.tokens)
     assert kv.fork(req, follower)  # shares the full blocks the window reads, copies the partial one
     assert kv.owned(follower)[:-1] == kv.owned(req)[:-1] and kv.owned(follower)[-1] != kv.owned(req)[-1]
@@ -271,7 +326,7 @@ def test_a_sliding_sequence_holds_its_window_however_long_it_grows():
 
 
 def test_a_sliding_prefix_hit_needs_only_the_blocks_its_window_reads():
-    kv = KVManager(BlockPool(16), PAGE, lambda src, dst, n: None, window=WINDOW)
+    kv = KVManager(BlockPool(16), PAGE, lambda src, dst, n: None, windows=(WINDOW,))
     first = request("a", range(30))
     kv.attach_prefix(first, 0)
     compute(kv, first)  # 7 full blocks published, 2 tokens in block 7
@@ -281,7 +336,7 @@ def test_a_sliding_prefix_hit_needs_only_the_blocks_its_window_reads():
     third = request("c", [*range(30), 7, 7])
     kv.attach_prefix(third, 0)
     # all 7 shared blocks hit: token 28's window starts at 23, so blocks 5 and 6 are held, 0-4 are placeholders
-    assert third.num_computed == 28 and third.num_reclaimed_blocks == 5
+    assert third.num_computed == 28 and third.num_reclaimed[0] == 5
     assert [kv.pool.ref_counts[b] for b in kv.owned(third)] == [1, 1]
     kv.free(third)
     full = KVManager(kv.pool, PAGE)  # without a window the prefix needs block 0, which is gone

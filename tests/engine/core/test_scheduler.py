@@ -108,10 +108,11 @@ def test_group_prefills_once_and_forks_sharing_full_blocks():
     assert plan.query_lens == [6], "one prefill for the whole group"
     assert [m.request_id for m in plan.sampled] == ["g#0", "g#1", "g#2"] and plan.logit_rows == [0, 0, 0]
     leader, a, b = g.members
-    assert a.block_table[0] == b.block_table[0] == leader.block_table[0], "the full block is shared"
-    assert sched.pool.ref_counts[leader.block_table[0]] == 3
-    assert len({leader.block_table[1], a.block_table[1], b.block_table[1]}) == 3, "the partial block is copied"
-    assert copies == [(leader.block_table[1], a.block_table[1], 2), (leader.block_table[1], b.block_table[1], 2)]
+    (lead,), (first,), (second,) = leader.block_tables, a.block_tables, b.block_tables
+    assert first[0] == second[0] == lead[0], "the full block is shared"
+    assert sched.pool.ref_counts[lead[0]] == 3
+    assert len({lead[1], first[1], second[1]}) == 3, "the partial block is copied"
+    assert copies == [(lead[1], first[1], 2), (lead[1], second[1], 2)]
     plan, _ = step(sched)
     assert plan.query_lens == [1, 1, 1]
     assert run_to_end(sched).keys() == {"g#0", "g#1", "g#2"}

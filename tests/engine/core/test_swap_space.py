@@ -44,21 +44,23 @@ class FakeKV:
 
     def forward(self, plan):
         for req, num in zip(plan.requests, plan.query_lens):
-            for pos in range(req.num_computed, req.num_computed + num):
-                self.device[req.block_table[pos // PAGE], pos % PAGE] = req.tokens[pos]
+            for table in req.block_tables:  # every KV group writes the step's tokens into its own blocks
+                for pos in range(req.num_computed, req.num_computed + num):
+                    self.device[table[pos // PAGE], pos % PAGE] = req.tokens[pos]
 
     def check(self, sched):
         for req in sched.running:
-            for pos in range(req.num_computed):
-                assert self.device.get((req.block_table[pos // PAGE], pos % PAGE)) == req.tokens[pos], (
-                    f"{req} reads the wrong KV at position {pos}")
+            for table, reclaimed in zip(req.block_tables, req.num_reclaimed):
+                for pos in range(reclaimed * PAGE, req.num_computed):  # what a group still holds
+                    assert self.device.get((table[pos // PAGE], pos % PAGE)) == req.tokens[pos], (
+                        f"{req} reads the wrong KV at position {pos}")
 
 
-def make(num_blocks=8, swap_blocks=16, budget=64, costs=None, share=True):
+def make(num_blocks=8, swap_blocks=16, budget=64, costs=None, share=True, windows=(None,)):
     kv = FakeKV()
     swap = SwapSpace(swap_blocks, kv.copy_out, kv.copy_in, costs) if swap_blocks else None
     sched = Scheduler(BlockPool(num_blocks, enable_prefix_cache=share), PAGE, budget, 64, stop=StopChecker(),
-                      copy_block=kv.copy_block, share_prefills=share, swap=swap)
+                      copy_block=kv.copy_block, share_prefills=share, windows=windows, swap=swap)
     return sched, kv
 
 
@@ -116,7 +118,7 @@ def test_a_preempted_sequence_swaps_out_and_resumes_without_recomputing():
 def test_a_swapped_sequence_keeps_its_computed_tokens_and_resumes_with_one():
     sched, kv, swapped = until_one_is_swapped()
     assert swapped.status == RequestStatus.PENDING and swapped.num_pending == 1
-    assert swapped.block_table == [] and len(swapped.host_blocks) == -(-swapped.num_computed // PAGE)
+    assert swapped.block_tables == [[]] and len(swapped.host_blocks[0]) == -(-swapped.num_computed // PAGE)
     while swapped.host_blocks:
         plan, _ = step(sched, kv)
     assert plan.query_lens[plan.requests.index(swapped)] == 1, "it resumes as a decode, not a prefill"
@@ -176,10 +178,15 @@ def test_swapped_blocks_still_in_the_prefix_cache_are_not_copied_back():
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), blocks=st.integers(5, 24), swap_blocks=st.integers(0, 24),
-       budget=st.sampled_from([4, 16, 64]), share=st.booleans())
-def test_random_traces_with_swaps_cancels_and_weight_updates_leak_nothing(seed, blocks, swap_blocks, budget, share):
+       budget=st.sampled_from([4, 16, 64]), share=st.booleans(),
+       windows=st.sampled_from([(None,), (6,), (None, 6), (6, None, 9)]))
+def test_random_traces_with_swaps_cancels_and_weight_updates_leak_nothing(seed, blocks, swap_blocks, budget, share,
+                                                                           windows):
+    """Any mix of KV groups (one full, one sliding, a hybrid of both, two windows): every sequence reads back its own
+    tokens from every group, and nothing leaks."""
     rng = random.Random(seed)
-    sched, kv = make(num_blocks=blocks, swap_blocks=swap_blocks, budget=budget, share=share)
+    sched, kv = make(num_blocks=blocks * len(windows), swap_blocks=swap_blocks * len(windows), budget=budget,
+                     share=share, windows=windows)
     prompts = [[rng.randint(0, 50) for _ in range(rng.randint(1, 12))] for _ in range(5)]
     expected, finished, version = set(), {}, 0
     for step_no in range(800):
@@ -217,6 +224,6 @@ def test_a_group_swapped_in_after_its_prompt_left_the_cache_shares_it_again():
     assert sched.pool.num_cached == 0
     while sched.waiting:
         step(sched, kv)
-    heads = {tuple(r.block_table[:2]) for r in sched.running}
+    heads = {tuple(r.block_tables[0][:2]) for r in sched.running}
     assert len(heads) == 1, "the first to swap in publishes the prompt blocks, the others reuse them"
     drain(sched, kv)

@@ -18,6 +18,7 @@ from rollout.engine.engine import LLMEngine
 from rollout.engine.worker.attention import paged_attention_op
 from rollout.engine.worker.compiled_forward import InductorBackend
 from rollout.sampling_params import SamplingParams
+from tests.engine.test_sliding_window import sliding_model
 from tests.helpers.models import greedy, greedy_reference, perturbed, random_prompts, run_engine, tiny_model
 
 MAX_NEW = 12
@@ -61,7 +62,7 @@ def models():
     """Both model classes exist before anything compiles: transformers registers each new PreTrainedModel class in a
     global dict that the traced forward reads, so a class first built after warm-up recompiles each path once."""
     counters.clear()
-    return {"qwen3": tiny_model("qwen3"), "llama": tiny_model("llama")}
+    return {"qwen3": tiny_model("qwen3"), "llama": tiny_model("llama"), "gemma2": sliding_model("gemma2")}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,16 @@ def test_level1_greedy_equals_generate_llama(models):
     engine = _engine(model, default_compile_level=1)
     _assert_greedy_matches(model, engine, _prompts())
     assert engine.runner.compiled.num_compiles <= 1  # its own graph (none if an earlier Llama engine compiled it)
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+
+
+def test_level1_hybrid_model_reads_each_groups_tables(models):
+    """Gemma 2's sliding and full layers keep their pages in one cache tensor under two block tables: the compiled
+    step hands each layer its group's slots and tables, past the window."""
+    model = models["gemma2"]
+    engine = _engine(model, default_compile_level=1)
+    assert engine.kv_groups.num_groups == 2
+    _assert_greedy_matches(model, engine, _prompts())
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
 
 

@@ -41,7 +41,7 @@ def _plan(entries: list[tuple[int, int]], first_block: int = 1) -> StepPlan:
         request = Request(f"r{i}", [t % 200 for t in range(computed + query)], resolve_sampling(None, None))
         request.num_computed = computed
         blocks = -(-(computed + query) // PAGE)
-        request.block_table = list(range(block, block + blocks))
+        request.block_tables = [list(range(block, block + blocks))]
         block += blocks
         plan.add(request, query)
     return plan
