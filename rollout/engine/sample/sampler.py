@@ -186,11 +186,33 @@ class Sampler:
             keys = [derive_seed(rows[i].sampling.seed, len(rows[i].tokens), SeedStream.NOISE) for i in seeded]
             uniforms[seeded] = torch.from_numpy(keyed_uniforms(keys))
         uniforms = uniforms.to(sample_lp.device, non_blocking=True)
-        cdf = sample_lp.exp().cumsum(dim=-1, dtype=torch.float64)
-        threshold = uniforms[:, None] * cdf[:, -1:]  # scaled by the row's total: robust to rounding in the sum
-        drawn = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
-        # u * total < total, so a token is always found; the clamp only guards the last ulp.
-        drawn = drawn.clamp_max(sample_lp.shape[1] - 1)
+        drawn = inverse_cdf(sample_lp.exp(), uniforms)
         if greedy is not None:
             drawn = torch.where(greedy, torch.argmax(sample_lp, dim=-1), drawn)
         return drawn
+
+
+CDF_BLOCK = 1024  # vocabulary entries per block of the two-level search
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability (in float64) exceeds `u * total`.
+
+    In two levels, so no `[rows, vocab]` float64 cumulative sum is built: the blocks' sums and their running total
+    find the block the threshold falls in, then that block alone is summed token by token. Scaling by the row's own
+    total makes it robust to rounding in the sum; u * total < total, so a token is always found (the clamps only guard
+    the last ulp)."""
+    rows, vocab = probs.shape
+    full = vocab // CDF_BLOCK * CDF_BLOCK
+    sums = [probs[:, :full].view(rows, -1, CDF_BLOCK).sum(-1, dtype=torch.float64)] if full else []
+    if full < vocab:
+        sums.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
+    ends = torch.cat(sums, dim=1).cumsum(dim=1)  # [rows, blocks]: cumulative mass at each block's end
+    threshold = uniforms[:, None] * ends[:, -1:]
+    block = torch.searchsorted(ends, threshold, right=True).clamp_max(ends.shape[1] - 1)  # [rows, 1]
+    before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_min(0)), 0.0)
+    index = (block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)).clamp_max(vocab - 1)
+    within = probs.gather(1, index).to(torch.float64)
+    within = within.masked_fill(block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device) >= vocab, 0.0)
+    drawn = block * CDF_BLOCK + torch.searchsorted(before + within.cumsum(dim=1), threshold, right=True)
+    return drawn.squeeze(1).clamp_max(vocab - 1)

@@ -20,7 +20,7 @@ from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.engine.engine import LLMEngine
 from rollout.engine.sample.resolve import resolve_sampling
 from rollout.engine.sample.rows import SampleRow
-from rollout.engine.sample.sampler import Sampler
+from rollout.engine.sample.sampler import Sampler, inverse_cdf
 from tests.helpers.models import VOCAB, greedy_reference, random_prompts, run_engine, tiny_model
 
 TOL = 1e-5
@@ -506,3 +506,19 @@ def test_prompt_longer_than_the_token_budget_is_chunked(qwen3):
               page_size=16)["req_0"]
     ref = gen(qwen3, [prompt], SamplingParams(temperature=0.0, max_new_tokens=4), page_size=16)["req_0"]
     assert out.error is None and out.generated_tokens == ref.generated_tokens
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 2049, 151_936])
+def test_two_level_inverse_cdf_draws_what_one_cumulative_sum_draws(vocab):
+    """The blockwise search finds the token a float64 cumulative sum over the whole row finds, for vocabularies that
+    are and are not a multiple of the block, with masked (zero-probability) tokens, and at u = 0 and u -> 1."""
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(12, vocab, generator=g) * 3, dim=-1)
+    probs[::3, ::2] = 0.0  # masked tokens are never drawn
+    uniforms = torch.rand(12, generator=g, dtype=torch.float64)
+    uniforms[0], uniforms[1] = 0.0, 1.0 - 2**-53
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    expected = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(1).clamp_max(vocab - 1)
+    drawn = inverse_cdf(probs, uniforms)
+    assert torch.equal(drawn, expected)
+    assert bool((probs.gather(1, drawn[:, None]) > 0).all())
