@@ -7,6 +7,7 @@ samples forked from one prompt: they share the prompt's full pages and have page
 
     python benchmarks/attention_kernel.py --baseline HEAD~1
     python benchmarks/attention_kernel.py --baseline old_kernel.c --dtype bfloat16 --end-to-end
+    python benchmarks/attention_kernel.py --baseline HEAD~1 --shape qwen3-0.6b --layers 28 --only GRPO  # past the L3
 
 `--end-to-end` also times `generate_batch` with each kernel: 8 prompts of 512 random ids, 8 samples each, 64 new
 tokens (the case that gains most: long shared prompts).
@@ -30,7 +31,8 @@ from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu.kernel import KernelBatch, paged_attention
 
 PAGE = 32
-HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
+SHAPES = {"w1": (8, 4, 64), "qwen3-0.6b": (16, 8, 128)}  # query heads, kv heads, head_dim
+HEADS, KV_HEADS, HEAD_DIM = SHAPES["w1"]
 
 
 def load(source: Path):
@@ -96,26 +98,34 @@ def cases(gen: torch.Generator) -> dict[str, tuple[KernelBatch, int]]:
         "decode, 1 row, context 200": forks(1, 1, 200, 0, gen),
         "prefill, 32 prompts x 64": prefill(32, 64, gen),
         "prefill, 4 prompts x 512": prefill(4, 512, gen),
+        "decode, GRPO: 4 prompts x 4 forks, prompt 200 (192 shared), own 0-200": forks(4, 4, 200, 200, gen),
+        "decode, GRPO: 2 prompts x 8 forks, prompt 200 (192 shared), own 0-200": forks(2, 8, 200, 200, gen),
     }
 
 
-def kernel_rows(libs: dict, dtype: torch.dtype, rounds: int) -> list[list]:
+def kernel_rows(libs: dict, dtype: torch.dtype, rounds: int, layers: int, only: str = "") -> list[list]:
+    """Per batch, ms per layer of each kernel. With `layers` > 1 each call attends over that many caches in turn, as
+    a model's layers do, so what a layer reads has left the caches by the time it is read again."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, (batch, blocks) in cases(gen).items():
-        k = torch.randn(blocks * PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        v = torch.randn(blocks * PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        if only not in name:
+            continue
+        caches = [(torch.randn(blocks * PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+                   torch.randn(blocks * PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)) for _ in range(layers)]
         q = torch.randn(len(batch.positions), HEADS, HEAD_DIM, generator=gen).to(dtype)
         outputs, best = {}, {}
 
-        def attend(q=q, k=k, v=v, batch=batch):
-            return paged_attention(q, k, v, batch, PAGE, HEAD_DIM ** -0.5, None, None)
+        def attend(q=q, caches=caches, batch=batch):
+            for k, v in caches:
+                out = paged_attention(q, k, v, batch, PAGE, HEAD_DIM ** -0.5, None, None)
+            return out
 
         for _ in range(rounds):
             for tag, lib in libs.items():
                 cpu_kernel.load_kernel = lambda lib=lib: lib
                 outputs[tag] = attend()
-                best[tag] = min(best.get(tag, float("inf")), seconds_per_call(attend, 0.3))
+                best[tag] = min(best.get(tag, float("inf")), seconds_per_call(attend, 0.3) / layers)
         diff = (outputs["baseline"].float() - outputs["current"].float()).abs().max().item()
         rows.append([name, f"{best['baseline'] * 1e3:.3f}", f"{best['current'] * 1e3:.3f}",
                      f"{best['baseline'] / best['current']:.2f}x", f"{diff:.1e}"])
@@ -149,17 +159,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternated timing rounds per batch (best is kept)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--end-to-end", action="store_true", help="also time generate_batch on long shared prompts")
+    parser.add_argument("--shape", default="w1", choices=list(SHAPES),
+                        help="attention heads, kv heads and head size: W1's, or Qwen3-0.6B's (16, 8, 128)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="caches attended in turn per call, like a model's layers (28: past a large L3)")
+    parser.add_argument("--only", default="", help="only the batches whose name contains this, e.g. GRPO")
     args = parser.parse_args()
+    global HEADS, KV_HEADS, HEAD_DIM
+    HEADS, KV_HEADS, HEAD_DIM = SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     current = cpu_kernel.SOURCE
     with tempfile.TemporaryDirectory() as folder:
         libs = {"baseline": load(baseline_source(args.baseline, Path(folder))), "current": load(current)}
     log(f"{environment()}")
-    rows = kernel_rows(libs, getattr(torch, args.dtype), args.rounds)
+    rows = kernel_rows(libs, getattr(torch, args.dtype), args.rounds, args.layers, args.only)
     if args.end_to_end:
         rows.append(end_to_end_row(libs, max(2, args.rounds // 2)))
-    print(format_table([f"batch ({args.dtype}, {args.threads} threads)", "baseline ms", "current ms", "speedup",
-                        "max |diff|"], rows))
+    print(format_table([f"batch ({args.shape}, {args.dtype}, {args.threads} threads, {args.layers} layers)",
+                        "baseline ms", "current ms", "speedup", "max |diff|"], rows))
 
 
 if __name__ == "__main__":

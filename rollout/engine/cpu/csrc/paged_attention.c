@@ -507,11 +507,11 @@ int rollout_paged_attention(const void *q, int64_t q_token_stride, int64_t q_hea
         free(groups);
         return -1;
     }
-    /* One item per group and all its kv heads, so its pages are read front to back, whenever there is a group for
-     * every thread; otherwise one item per (group, kv head). Items of one kv head each read a few hundred bytes per
-     * slot of the same pages, and the hardware prefetchers then pull in the other heads' bytes too: with a
-     * group per thread, whole-group items were 1.3-2x faster on decode forks (benchmarks/RESULTS.md). */
-    const int64_t kv_per_item = num_groups >= num_threads ? num_kv_heads : 1;
+    /* One item per group and all its kv heads, so its pages are read front to back, when there are two groups per
+     * thread (enough to even out groups of different lengths); otherwise one item per (group, kv head). Items of one
+     * kv head each read a few hundred bytes per slot of the same pages, which the hardware prefetchers answer with
+     * the other heads' bytes too (benchmarks/RESULTS.md, "Attention kernel"). */
+    const int64_t kv_per_item = num_groups >= 2 * num_threads ? num_kv_heads : 1;
     const int64_t items_per_group = num_kv_heads / kv_per_item;
     const int64_t items = num_groups * items_per_group;
     int grouped = 0, failed = 0;
