@@ -211,8 +211,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     threshold = uniforms[:, None] * ends[:, -1:]
     block = torch.searchsorted(ends, threshold, right=True).clamp_max(ends.shape[1] - 1)  # [rows, 1]
     before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_min(0)), 0.0)
-    index = (block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)).clamp_max(vocab - 1)
-    within = probs.gather(1, index).to(torch.float64)
-    within = within.masked_fill(block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device) >= vocab, 0.0)
+    index = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [rows, CDF_BLOCK]: the block's tokens
+    within = probs.gather(1, index.clamp_max(vocab - 1)).to(torch.float64).masked_fill(index >= vocab, 0.0)
     drawn = block * CDF_BLOCK + torch.searchsorted(before + within.cumsum(dim=1), threshold, right=True)
     return drawn.squeeze(1).clamp_max(vocab - 1)

@@ -247,16 +247,20 @@ class ModelRunner:
         inputs = {"input_ids": moved[0][None], "position_ids": moved[1][None], "rollout_batch": batch}
         return inputs, moved[2]
 
+    def _slots(self, tables: torch.Tensor, row_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Where each token's K/V is written: its position's page in its row of `tables`, and the offset there."""
+        page = self.page_size
+        return tables[row_of_token, positions // page] * page + positions % page
+
     def _group_host(self, plan: StepPlan, group: int, host: list[torch.Tensor], query_lens: torch.Tensor,
                     ends: torch.Tensor, offsets: torch.Tensor, row_of_token: torch.Tensor,
                     positions: torch.Tensor) -> _GroupHost:
         """One KV group's metadata on the host: its block tables, and the tensors appended to `host` (the slots its
         layers write, then what the attention path needs) for `_group_batch` to take back in the same order."""
-        page = self.page_size
         rows = [tables[group] for tables in plan.block_tables]
         width = max(len(t) for t in rows)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long)
-        host.append(tables[row_of_token, positions // page] * page + positions % page)
+        host.append(self._slots(tables, row_of_token, positions))
         layout = _GroupHost(tables)
         if self.use_flash:
             host += flash_host_tensors(tables, query_lens, ends)
@@ -324,7 +328,7 @@ class ModelRunner:
                 rows.append([self.cache.scratch_block] + [0] * (width - 1))
             rows += [[0] * width] * max(MIN_DIM - len(rows), 0)  # rows no token uses
             group_tables.append(torch.tensor(rows, dtype=torch.long))
-        group_slots = [tables[row_of_token, positions // page] * page + positions % page for tables in group_tables]
+        group_slots = [self._slots(tables, row_of_token, positions) for tables in group_tables]
 
         keep = self._keep(plan, query_lens, offsets)
         count = len(keep)
