@@ -43,8 +43,9 @@ from rollout.engine.cpu.isa import KernelBuild, isa_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-MATMUL_SOURCE = Path(__file__).with_name("csrc") / "small_matmul.c"  # built into the same library
+CSRC = Path(__file__).with_name("csrc")  # every C file there goes into the one library
+SOURCE = CSRC / "paged_attention.c"
+MATMUL_SOURCE = CSRC / "small_matmul.c"
 # The matmul's sums keep the order the source writes, on every target: -ffast-math would let the compiler reassociate
 # or vectorize a sum in an order of its own, and contraction would fuse a multiply and an add where the target has FMA
 # (so an AVX-512 and an AVX2 build gave different bits). Its fused multiply-adds are explicit in the source instead.
@@ -101,7 +102,8 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str, march: str, openmp: bool) -> Path:
     """Compile (or reuse) the shared library; returns its path. Raises CalledProcessError/OSError on failure."""
-    sources = (SOURCE, MATMUL_SOURCE)
+    # the attention source first: benchmarks/attention_kernel.py points SOURCE at another revision of it
+    sources = (SOURCE, *sorted(p for p in CSRC.glob("*.c") if p.name != "paged_attention.c"))
     compile_flags, link_flags = _flags(march, openmp)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), version.encode(),
