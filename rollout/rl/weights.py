@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rollout.engine.cpu.kernel import all_finite
 from rollout.engine.tensor_parallel import local_shard, local_tensor
 
 ON_UPDATE_MODES = ("keep", "recompute")  # what running requests do with their KV when new weights arrive
@@ -102,10 +103,15 @@ def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _finite_within(value: torch.Tensor, bound: float) -> bool:
-    """Every element finite and within [-bound, bound]. One pass, no mask allocation: NaN propagates into min and max.
+    """Every element finite and within [-bound, bound]. One pass, no mask allocation: the C kernel's count of
+    non-finite fp32/bf16 values where the dtype cannot exceed the bound, else min and max (NaN propagates into both).
     Only called on real floating tensors; 8-bit floats are widened first (torch has no aminmax for them)."""
     if value.numel() == 0:
         return True
+    if torch.finfo(value.dtype).max <= bound:  # every finite value is within the bound: one check of exponent bits
+        finite = all_finite(value)
+        if finite is not None:
+            return finite
     if value.element_size() < 2:
         value = value.float()
     low, high = (float(x) for x in torch.aminmax(value))

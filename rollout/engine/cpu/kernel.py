@@ -168,6 +168,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
                    + [ctypes.c_int])
+    fn = lib.rollout_count_nonfinite
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fn = lib.rollout_transpose_blocks
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -274,3 +280,31 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows,
                              weight.shape[0], width, torch.get_num_threads())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def all_finite(values: torch.Tensor) -> bool | None:
+    """Whether every value of a contiguous fp32/bf16 CPU tensor is finite, in one pass (csrc/weight_sync.c); None
+    where the kernel cannot say (another dtype, layout or device, or no kernel library here)."""
+    if values.dtype not in DTYPES or values.device.type != "cpu" or not values.is_contiguous():
+        return None
+    lib = load_kernel()
+    if lib is None:
+        return None
+    return lib.rollout_count_nonfinite(values.data_ptr(), values.numel(), DTYPES[values.dtype],
+                                       torch.get_num_threads()) == 0
+
+
+def transpose_blocks(src: torch.Tensor, dst: torch.Tensor, offset: int, blocks: int, group: int, block_stride: int,
+                     column_stride: int) -> None:
+    """Write `blocks` groups of `group` rows of `src` (2-D, 32-bit words, rows contiguous), each stored column by
+    column, into the flat buffer `dst` (32-bit words) from element `offset` on (csrc/weight_sync.c): word (r, c) of
+    group b goes to `offset + b * block_stride + c * column_stride + r`. Bounds are checked here, not in C."""
+    rows, cols = src.shape
+    if src.element_size() != 4 or dst.element_size() != 4 or src.stride(1) != 1 or dst.dim() != 1 \
+            or dst.stride(0) != 1 or rows < blocks * group:
+        raise ValueError("transpose_blocks takes 32-bit words: a 2-D source with contiguous rows, a flat buffer")
+    last = offset + (blocks - 1) * block_stride + (cols - 1) * column_stride + group - 1
+    if offset < 0 or last >= dst.numel():
+        raise ValueError(f"transpose_blocks would write element {last} of a buffer of {dst.numel()}")
+    load_kernel().rollout_transpose_blocks(src.data_ptr(), src.stride(0), dst.data_ptr() + offset * 4, blocks,
+                                           group, cols, block_stride, column_stride, torch.get_num_threads())

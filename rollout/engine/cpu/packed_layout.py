@@ -6,9 +6,10 @@ weights after a weight update costs many times a plain copy of the same tensors:
 oneDNN's reorder, its primitive set up again on every call. Yet the buffer holds a fixed blocked layout, zero-padded to
 whole blocks: with AVX-512 (and AVX2) fp32 is [ceil(O/64)][I padded to 16][64], 64 output rows interleaved, and bf16
 [ceil(O/64)][I/2][64][2]. Writing the new values through views of the existing buffer allocates nothing and calls no
-oneDNN: each group of 64 rows is a transpose, done by torch's channels-last channel_shuffle kernel (a SIMD transpose;
-bf16 pairs move as 32-bit words) plus a copy into the buffer: a little more than a plain copy, and faster than an
-element-by-element strided `copy_` (benchmarks/RESULTS.md, "RL layer").
+oneDNN: each group of 64 rows is a transpose (bf16 pairs move as 32-bit words), done in one pass through L1-sized
+tiles by the C kernel library (csrc/weight_sync.c), or, where there is none, by torch's channels-last channel_shuffle
+kernel (a SIMD transpose into a temporary) plus a copy into the buffer; either is faster than an element-by-element
+strided `copy_` (benchmarks/RESULTS.md, "RL layer").
 
 How, trusting none of that, once per (shape, dtype) and process: sparse probe weights whose first column (first row)
 spells each row (column) index in exact digits (24 bits in fp32, 8 in bf16; 0 marks padding) give the buffer offsets
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rollout.engine.cpu.kernel import load_kernel, transpose_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,10 @@ def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuff
         start = src.storage_offset() + box.o0 * s0 + box.i0 * s1
         t = box.transpose
         if shuffle and t is not None and src.element_size() == 4 and s1 == 1 and s0 == src.shape[1]:
+            if load_kernel() is not None:  # one pass, no temporary
+                group_rows = src.as_strided((t.blocks * t.group, s0), (s0, 1), start)
+                transpose_blocks(group_rows, d, box.offset, t.blocks, t.group, t.block_stride, t.column_stride)
+                continue
             words = t.group * s0  # one group of whole rows, contiguous
             rows = src.as_strided((t.blocks, words, 1, 1), (words, 1, words, words), start)  # channels-last
             moved = F.channel_shuffle(rows.view(torch.float32), t.group)  # per block: (group, cols) -> (cols, group)

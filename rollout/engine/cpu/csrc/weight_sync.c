@@ -1,0 +1,61 @@
+/* The two passes of a weight sync over a real-size model that PyTorch ops make slow: the finiteness check of the new
+ * values (rollout/rl/weights.py) and the transposed copy that refreshes oneDNN's packed linear weights in place
+ * (rollout/engine/cpu/packed_layout.py).
+ *
+ * Finiteness: torch.aminmax reads bf16 at a fraction of memory speed, and isfinite().all() writes a mask as large as
+ * the tensor. Here a value is non-finite when its exponent bits are all ones, counted in one vectorized pass.
+ *
+ * The transposed copy: oneDNN keeps a packed weight as groups of output rows stored column by column (64 rows interleaved for fp32
+ * on AVX-512; bf16 the same with each pair of columns as one 32-bit word). In PyTorch ops the transpose of each group
+ * takes two passes over the weight (channel_shuffle into a fresh tensor, then a strided copy into the buffer) and page
+ * faults of the temporary; after a weight update of a real-size model that was most of the sync. Here each group is
+ * read once and written once, through a tile that stays in L1.
+ *
+ * Words are moved as uint32_t, so the copy is exact for any 32-bit data (fp32 values, bf16 pairs, NaN payloads).
+ * Layout: word (b, r, c) of the source, row b * group + r and column c, lies at src[(b * group + r) * src_stride + c];
+ * it goes to dst[b * block_stride + c * column_stride + r].
+ */
+#include <stdint.h>
+
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+
+/* How many of the n values at `data` (fp32 or bf16) are NaN or infinite. */
+int64_t rollout_count_nonfinite(const void *data, int64_t n, int dtype, int threads) {
+    int64_t bad = 0;
+    (void)threads;
+    if (dtype == DTYPE_F32) {
+        const uint32_t *u = (const uint32_t *)data;
+#pragma omp parallel for simd num_threads(threads) reduction(+ : bad) schedule(static) if (threads > 1 && n > 65536)
+        for (int64_t i = 0; i < n; i++) bad += (u[i] & 0x7F800000u) == 0x7F800000u;
+    } else {
+        const uint16_t *u = (const uint16_t *)data;
+#pragma omp parallel for simd num_threads(threads) reduction(+ : bad) schedule(static) if (threads > 1 && n > 65536)
+        for (int64_t i = 0; i < n; i++) bad += (u[i] & 0x7F80u) == 0x7F80u;
+    }
+    return bad;
+}
+
+#define TILE_COLS 16 /* columns per tile: one 64-byte line of each of the group's rows */
+
+static void transpose_tile(const uint32_t *src, int64_t src_stride, uint32_t *dst, int64_t group, int64_t cols,
+                           int64_t column_stride) {
+    for (int64_t c = 0; c < cols; c++) {
+        uint32_t *out = dst + c * column_stride;
+        for (int64_t r = 0; r < group; r++) out[r] = src[r * src_stride + c];
+    }
+}
+
+void rollout_transpose_blocks(const uint32_t *src, int64_t src_stride, uint32_t *dst, int64_t blocks,
+                              int64_t group, int64_t cols, int64_t block_stride, int64_t column_stride,
+                              int threads) {
+    const int64_t tiles = (cols + TILE_COLS - 1) / TILE_COLS;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks * group * cols > 65536)
+    for (int64_t item = 0; item < blocks * tiles; item++) {
+        const int64_t b = item / tiles, c0 = (item % tiles) * TILE_COLS;
+        const int64_t n = cols - c0 < TILE_COLS ? cols - c0 : TILE_COLS;
+        transpose_tile(src + b * group * src_stride + c0, src_stride, dst + b * block_stride + c0 * column_stride,
+                       group, n, column_stride);
+    }
+}

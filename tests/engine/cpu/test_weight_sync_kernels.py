@@ -1,0 +1,138 @@
+"""The C side of a weight sync (csrc/weight_sync.c): the finiteness count behind an update's check, and the transposed
+copy behind the in-place refresh of packed weights. Both must say and write exactly what the PyTorch ops would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.engine.cpu.kernel import all_finite, load_kernel, transpose_blocks
+from rollout.rl import weights
+
+needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="no C kernel library on this machine")
+
+# bit patterns: every NaN and infinity of the dtype has all exponent bits set; the largest finite value does not
+NON_FINITE = {torch.float32: [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF],
+              torch.bfloat16: [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF]}
+FINITE_EDGES = {torch.float32: [0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000000],
+                torch.bfloat16: [0x7F7F, 0xFF7F, 0x0001, 0x8000]}
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def _with_bits(values: torch.Tensor, index: int, pattern: int) -> torch.Tensor:
+    out = values.clone()
+    bits = BITS[values.dtype]
+    signed = pattern - (1 << (8 * out.element_size())) if pattern >= 1 << (8 * out.element_size() - 1) else pattern
+    out.view(bits)[index] = signed
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 17, 70_001])  # one value, a vector tail, a parallel count
+def test_the_finiteness_count_finds_every_nan_and_infinity_anywhere(dtype, n):
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    assert all_finite(values) is True
+    for index in {0, n // 2, n - 1}:
+        for pattern in NON_FINITE[dtype]:
+            bad = _with_bits(values, index, pattern)
+            assert not torch.isfinite(bad).all()
+            assert all_finite(bad) is False, f"bits {pattern:#x} at {index} of {n}"
+        for pattern in FINITE_EDGES[dtype]:
+            edge = _with_bits(values, index, pattern)
+            assert torch.isfinite(edge).all() and all_finite(edge) is True
+
+
+def test_the_finiteness_count_declines_what_it_cannot_read():
+    assert all_finite(torch.randn(8).half()) is None
+    assert all_finite(torch.randn(8, 8).t()) is None  # not contiguous
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "aminmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_an_update_checks_finiteness_the_same_with_or_without_the_kernel(monkeypatch, dtype, kernel):
+    if not kernel:
+        monkeypatch.setattr(weights, "all_finite", lambda values: None)
+    bound = torch.finfo(torch.float32).max
+    values = torch.randn(1000).to(dtype)
+    assert weights._finite_within(values, bound)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = values.clone()
+        broken[999] = bad
+        assert not weights._finite_within(broken, bound)
+    if dtype == torch.float64:  # finite, but beyond a float32 weight's range
+        big = values.clone()
+        big[3] = 1e300
+        assert not weights._finite_within(big, bound)
+
+
+def _reference(src: torch.Tensor, size: int, offset: int, blocks: int, group: int, block_stride: int,
+               column_stride: int, fill: int) -> torch.Tensor:
+    dst = torch.full((size,), fill, dtype=torch.int32)
+    cols = src.shape[1]
+    view = dst.as_strided((blocks, cols, group), (block_stride, column_stride, 1), offset)
+    view.copy_(src[:blocks * group].reshape(blocks, group, cols).transpose(1, 2))
+    return dst
+
+
+@needs_kernel
+@pytest.mark.parametrize("blocks,group,cols,pad", [(1, 1, 1, 0), (3, 64, 40, 16), (2, 32, 17, 3), (5, 16, 100, 0),
+                                                   (1, 64, 1024, 64)])
+def test_the_transposed_copy_writes_each_group_column_by_column_and_nothing_else(blocks, group, cols, pad):
+    """Against the strided PyTorch copy of the same views, with padding between columns and blocks left as it was
+    and NaN payloads moved bit for bit."""
+    gen = torch.Generator().manual_seed(blocks * 1000 + cols)
+    src = torch.randint(-2**31, 2**31 - 1, (blocks * group + 3, cols), dtype=torch.int32, generator=gen)
+    column_stride = group + pad
+    block_stride = cols * column_stride + pad
+    offset = 5
+    size = offset + blocks * block_stride + 7
+    expected = _reference(src, size, offset, blocks, group, block_stride, column_stride, fill=-7)
+    for view in (src, src.view(torch.float32)):  # fp32 weights, bf16 pairs as int32: the same words
+        dst = torch.full((size,), -7, dtype=torch.int32).view(view.dtype)
+        transpose_blocks(view, dst, offset, blocks, group, block_stride, column_stride)
+        assert torch.equal(dst.view(torch.int32), expected)
+
+
+@needs_kernel
+def test_the_transposed_copy_refuses_what_would_write_out_of_bounds_or_misread():
+    src = torch.zeros(64, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="would write element"):
+        transpose_blocks(src, torch.zeros(64 * 16 - 1), 0, 1, 64, 64 * 16, 64)
+    with pytest.raises(ValueError, match="32-bit words"):
+        transpose_blocks(src.bfloat16(), torch.zeros(4096), 0, 1, 64, 64 * 16, 64)
+    with pytest.raises(ValueError, match="32-bit words"):
+        transpose_blocks(src, torch.zeros(4096), 0, 2, 64, 64 * 16, 64)  # two groups of a 64-row source
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "channel_shuffle"])
+def test_a_packed_weight_is_refreshed_as_onednn_packs_it_with_or_without_the_kernel(monkeypatch, dtype, kernel):
+    from rollout.engine.cpu import packed_layout
+    from rollout.engine.cpu.features import PACK_BATCH_HINT, cpu_features
+
+    if dtype not in cpu_features().packed_dtypes:
+        pytest.skip(f"{dtype} is not packed on this CPU")
+    if not kernel:
+        monkeypatch.setattr(packed_layout, "load_kernel", lambda: None)
+    monkeypatch.setattr(packed_layout, "transpose_blocks", _counted(packed_layout.transpose_blocks))
+    shape = (3 * 64 + 5, 40)
+    layout = packed_layout.layout_for.__wrapped__(shape, dtype, PACK_BATCH_HINT)  # derived under this monkeypatch
+    assert layout is not None and layout.shuffle
+    packed_layout.transpose_blocks.calls = 0
+    weight = torch.randn(shape).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(shape, dtype=dtype), PACK_BATCH_HINT)
+    assert layout.write(packed, weight)
+    expected = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    assert torch.equal(packed_layout.buffer_of(packed).view(torch.uint8),
+                       packed_layout.buffer_of(expected).view(torch.uint8))
+    assert (packed_layout.transpose_blocks.calls > 0) == kernel
+
+
+def _counted(fn):
+    def counted(*args):
+        counted.calls += 1
+        return fn(*args)
+    counted.calls = 0
+    return counted
