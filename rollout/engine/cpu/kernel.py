@@ -49,7 +49,11 @@ MATMUL_SOURCE = CSRC / "small_matmul.c"
 # The matmul's sums keep the order the source writes, on every target: -ffast-math would let the compiler reassociate
 # or vectorize a sum in an order of its own, and contraction would fuse a multiply and an add where the target has FMA
 # (so an AVX-512 and an AVX2 build gave different bits). Its fused multiply-adds are explicit in the source instead.
-SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"]}
+# The RMSNorm kernel likewise: it must round where the module's own ops round (a contracted multiply-add, or a sum of
+# squares reassociated by the vectorizer, would change bf16 outputs).
+NORM_SOURCE = CSRC / "rms_norm.c"
+SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"],
+                NORM_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"]}
 ENV_SWITCH = "ROLLOUT_CPU_KERNEL"
 ENV_CACHE_DIR = "ROLLOUT_KERNEL_CACHE"
 ENV_MARCH = "ROLLOUT_KERNEL_MARCH"
@@ -174,6 +178,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.rollout_transpose_blocks
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    fn = lib.rollout_rms_norm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -280,6 +288,49 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows,
                              weight.shape[0], width, torch.get_num_threads())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)`, the mean in fp32, as transformers' RMSNorm modules
+    compute it (csrc/rms_norm.c), for a CPU fp32/bf16 `x` (any strides but the last) and a contiguous 1-D `weight` of
+    x's dtype and last size; returns a new contiguous tensor of x's shape. No autograd: for the engine's forward only
+    (rms_norm.FusedNorms)."""
+    shape = x.shape
+    dim = shape[-1]
+    flat = x
+    if not x.is_contiguous():
+        flat = x.reshape(-1, dim)  # a view where the leading dims allow one, else a copy
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+    # as few calls into torch as can be (empty_like is the cheaper allocation): this runs 100+ times per decode step
+    out = torch.empty_like(flat, memory_format=torch.contiguous_format)
+    load_kernel().rollout_rms_norm(flat.data_ptr(), dim if flat is x else flat.stride(0), weight.data_ptr(),
+                                   out.data_ptr(), flat.numel() // dim, dim, eps, DTYPES[x.dtype],
+                                   norm_sum_order()[0], torch.get_num_threads())
+    return out if flat is x else out.view(shape)
+
+
+@functools.lru_cache(maxsize=1)
+def norm_sum_order() -> tuple[int, bool]:
+    """(lanes, whether they give torch's bits): the floats per vector of torch's CPU sum that the RMSNorm kernel sums
+    a row's squares by, so that its mean, and so every output, has torch's bits. The first of 16, 8 and 4 whose fp32
+    norms equal torch's on random rows (with tails, and long enough for the sum's cascade); (16, False) if none does:
+    then an output can differ from torch's in its last bits."""
+    lib = load_kernel()
+    gen = torch.Generator().manual_seed(0)
+    for lanes in (16, 8, 4):
+        for rows, dim in ((64, 1000), (3, 5000), (2, 20003)):
+            x = torch.randn(rows, dim, generator=gen)
+            weight = torch.ones(dim)
+            expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            out = torch.empty_like(x)
+            lib.rollout_rms_norm(x.data_ptr(), dim, weight.data_ptr(), out.data_ptr(), rows, dim, 1e-6,
+                                 DTYPES[torch.float32], lanes, 1)
+            if not torch.equal(out, expected):
+                break
+        else:
+            return lanes, True
+    return 16, False
 
 
 def all_finite(values: torch.Tensor) -> bool | None:

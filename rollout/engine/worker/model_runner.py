@@ -18,9 +18,10 @@ from rollout.engine.core.kv_groups import KVGroups
 from rollout.engine.core.request import Request
 from rollout.engine.core.step import StepPlan
 from rollout.engine.cpu.features import cpu_features
-from rollout.engine.cpu.kernel import KernelBatch, kernel_usable
+from rollout.engine.cpu.kernel import KernelBatch, kernel_usable, load_kernel
 from rollout.engine.cpu.packed_linear import PackedLinears, packing_available, require_packing
 from rollout.engine.cpu.packed_linear_op import active_linears
+from rollout.engine.cpu.rms_norm import FusedNorms
 from rollout.engine.sample.resolve import resolve_sampling
 from rollout.engine.worker.attention import (
     AttentionBatch,
@@ -151,6 +152,9 @@ class ModelRunner:
         elif prepack_weights:
             require_packing(model)  # ValueError naming what this torch build / CPU cannot pack
         self.linears = PackedLinears(model) if prepack_weights else contextlib.nullcontext()
+        # RMSNorms as one C call each in the eager forward (cpu/rms_norm.py); without the kernel library, their own
+        self.norms = FusedNorms(model) if cache.device.type == "cpu" and load_kernel() is not None \
+            else contextlib.nullcontext()
         self.compiled = compiled  # None: every step eager
         if compiled is not None:
             if cache.scratch_block is None:
@@ -395,7 +399,7 @@ class ModelRunner:
             logits = self._run_compiled(plan)
         if logits is None:
             inputs, keep = self.build_batch(plan)
-            with engine_attention(self.model), eval_mode(self.model), self.linears:
+            with engine_attention(self.model), eval_mode(self.model), self.linears, self.norms:
                 logits = self.model(**inputs, logits_to_keep=keep, use_cache=False).logits[0]
         return logits if plan.prompt_rows else logits.float()
 
