@@ -103,7 +103,7 @@ def target_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _finite_within(value: torch.Tensor, bound: float) -> bool:
-    """Every element finite and within [-bound, bound]. One pass, no mask allocation: the C kernel's count of
+    """Every element finite and within [-bound, bound]. One pass, no mask allocation: the C kernel's scan for
     non-finite fp32/bf16 values where the dtype cannot exceed the bound, else min and max (NaN propagates into both).
     Only called on real floating tensors; 8-bit floats are widened first (torch has no aminmax for them)."""
     if value.numel() == 0:

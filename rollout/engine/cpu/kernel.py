@@ -172,8 +172,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
                    + [ctypes.c_int])
-    fn = lib.rollout_count_nonfinite
-    fn.restype = ctypes.c_int64
+    fn = lib.rollout_any_nonfinite
+    fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     fn = lib.rollout_transpose_blocks
     fn.restype = None
@@ -341,8 +341,8 @@ def all_finite(values: torch.Tensor) -> bool | None:
     lib = load_kernel()
     if lib is None:
         return None
-    return lib.rollout_count_nonfinite(values.data_ptr(), values.numel(), DTYPES[values.dtype],
-                                       torch.get_num_threads()) == 0
+    return lib.rollout_any_nonfinite(values.data_ptr(), values.numel(), DTYPES[values.dtype],
+                                     torch.get_num_threads()) == 0
 
 
 def transpose_blocks(src: torch.Tensor, dst: torch.Tensor, offset: int, blocks: int, group: int, block_stride: int,

@@ -1,4 +1,4 @@
-"""The C side of a weight sync (csrc/weight_sync.c): the finiteness count behind an update's check, and the transposed
+"""The C side of a weight sync (csrc/weight_sync.c): the finiteness scan behind an update's check, and the transposed
 copy behind the in-place refresh of packed weights. Both must say and write exactly what the PyTorch ops would."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _with_bits(values: torch.Tensor, index: int, pattern: int) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 17, 70_001])  # one value, a vector tail, a parallel count
-def test_the_finiteness_count_finds_every_nan_and_infinity_anywhere(dtype, n):
+@pytest.mark.parametrize("n", [1, 17, 70_001])  # one value, a vector tail, a parallel scan
+def test_the_finiteness_scan_finds_every_nan_and_infinity_anywhere(dtype, n):
     values = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
     assert all_finite(values) is True
     for index in {0, n // 2, n - 1}:
@@ -43,7 +43,7 @@ def test_the_finiteness_count_finds_every_nan_and_infinity_anywhere(dtype, n):
             assert torch.isfinite(edge).all() and all_finite(edge) is True
 
 
-def test_the_finiteness_count_declines_what_it_cannot_read():
+def test_the_finiteness_scan_declines_what_it_cannot_read():
     assert all_finite(torch.randn(8).half()) is None
     assert all_finite(torch.randn(8, 8).t()) is None  # not contiguous
 

@@ -3,7 +3,7 @@
  * (rollout/engine/cpu/packed_layout.py).
  *
  * Finiteness: torch.aminmax reads bf16 at a fraction of memory speed, and isfinite().all() writes a mask as large as
- * the tensor. Here a value is non-finite when its exponent bits are all ones, counted in one vectorized pass.
+ * the tensor. Here a value is non-finite when its exponent bits are all ones, found in one vectorized pass.
  *
  * The transposed copy: oneDNN keeps a packed weight as groups of output rows stored column by column (64 rows interleaved for fp32
  * on AVX-512; bf16 the same with each pair of columns as one 32-bit word). In PyTorch ops the transpose of each group
@@ -20,20 +20,22 @@
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 
-/* How many of the n values at `data` (fp32 or bf16) are NaN or infinite. */
-int64_t rollout_count_nonfinite(const void *data, int64_t n, int dtype, int threads) {
-    int64_t bad = 0;
+/* 1 if any of the n values at `data` (fp32 or bf16) is NaN or infinite, else 0. The flags are OR-ed in the values'
+ * own width, so the loop vectorizes at full width (a count widened to 64 bits ran at a fraction of memory speed). */
+int rollout_any_nonfinite(const void *data, int64_t n, int dtype, int threads) {
     (void)threads;
     if (dtype == DTYPE_F32) {
         const uint32_t *u = (const uint32_t *)data;
-#pragma omp parallel for simd num_threads(threads) reduction(+ : bad) schedule(static) if (threads > 1 && n > 65536)
-        for (int64_t i = 0; i < n; i++) bad += (u[i] & 0x7F800000u) == 0x7F800000u;
-    } else {
-        const uint16_t *u = (const uint16_t *)data;
-#pragma omp parallel for simd num_threads(threads) reduction(+ : bad) schedule(static) if (threads > 1 && n > 65536)
-        for (int64_t i = 0; i < n; i++) bad += (u[i] & 0x7F80u) == 0x7F80u;
+        uint32_t any = 0;
+#pragma omp parallel for simd num_threads(threads) reduction(| : any) schedule(static) if (threads > 1 && n > 65536)
+        for (int64_t i = 0; i < n; i++) any |= (uint32_t)((u[i] & 0x7F800000u) == 0x7F800000u);
+        return any != 0;
     }
-    return bad;
+    const uint16_t *u = (const uint16_t *)data;
+    uint16_t any = 0;
+#pragma omp parallel for simd num_threads(threads) reduction(| : any) schedule(static) if (threads > 1 && n > 65536)
+    for (int64_t i = 0; i < n; i++) any |= (uint16_t)((u[i] & 0x7F80u) == 0x7F80u);
+    return any != 0;
 }
 
 #define TILE_COLS 16 /* columns per tile: one 64-byte line of each of the group's rows */
