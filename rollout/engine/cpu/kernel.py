@@ -110,7 +110,8 @@ def _build(compiler: str, march: str, openmp: bool) -> Path:
     sources = (SOURCE, *sorted(p for p in CSRC.glob("*.c") if p.name != "paged_attention.c"))
     compile_flags, link_flags = _flags(march, openmp)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), version.encode(),
+    headers = sorted(CSRC.glob("*.h"))  # included by the sources: a change must rebuild too
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in (*sources, *headers)), version.encode(),
                                      " ".join(compile_flags + link_flags).encode(), repr(SOURCE_FLAGS).encode(),
                                      _cpu_signature(march).encode()])).hexdigest()[:16]
     name = f"rollout_kernels-{key}.so"

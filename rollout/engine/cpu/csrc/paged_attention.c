@@ -29,23 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* A bf16 model's attention probabilities are rounded to bf16 before they weight the values, after the normaliser has
  * summed them in fp32: the order of roundings of PyTorch's CPU attention (sdpa) in bf16, so a bf16 engine reports the

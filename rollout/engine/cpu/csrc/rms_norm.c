@@ -25,32 +25,25 @@
 #include <stdint.h>
 #include <string.h>
 
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
+#include "bf16.h"
+
 #define MAX_LANES 16 /* floats in one of torch's vectors, at most (AVX-512) */
 #define ILP 4 /* vector accumulators of torch's row sum */
 #define LEVELS 4 /* levels of its cascade */
 #define PARALLEL_MIN_ELEMENTS 65536 /* below this a parallel region costs more than the work it splits */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch does. paged_attention.c's f32_to_bf16 without its NaN case, which this file never
+/* Round to nearest even, as torch does: bf16.h's f32_to_bf16 without its NaN case, which this file never
  * needs: every value it rounds is a product of bf16 values and fp32 results of them (h = x * rstd, weight * h), so a
  * NaN among them is a bf16 input's, quieted, or the default NaN (inf * 0), and has the low 16 bits zero. The rounding
  * add then cannot carry out of them, and the upper half is the same quiet NaN. (The NaN case, even as a select, costs
  * the output loop several vector instructions per element.) */
-static inline uint16_t f32_to_bf16(float f) {
+static inline uint16_t round_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* f rounded to bf16 the same way, kept as a float (f32_to_bf16 then bf16_to_f32, without the trip through 16 bits). */
+/* f rounded to bf16 the same way, kept as a float (round_to_bf16 then bf16_to_f32, without the trip through 16 bits). */
 static inline float bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -146,7 +139,7 @@ static void row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_
 #pragma omp simd
     for (int64_t k = 0; k < dim; k++) {
         float h = bf16_round(bf16_to_f32(x[k]) * r);
-        out[k] = f32_to_bf16(bf16_to_f32(w[k]) * h);
+        out[k] = round_to_bf16(bf16_to_f32(w[k]) * h);
     }
 }
 

@@ -17,8 +17,7 @@
  */
 #include <stdint.h>
 
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
+#include "bf16.h"
 
 /* 1 if any of the n values at `data` (fp32 or bf16) is NaN or infinite, else 0. The flags are OR-ed in the values'
  * own width, so the loop vectorizes at full width (a count widened to 64 bits ran at a fraction of memory speed). */
