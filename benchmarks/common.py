@@ -125,6 +125,8 @@ class Workload:
     scale: float
     description: str = ""
     extra: dict = field(default_factory=dict)
+    temperature: float = 1.0  # every system samples with these (top_k off): W1 and GRPO plain, W2 nucleus
+    top_p: float = 1.0
 
     @property
     def num_sequences(self) -> int:
@@ -151,7 +153,8 @@ class Workload:
             prompt_len_min=min(lens), prompt_len_max=max(lens), prompt_len_mean=round(float(np.mean(lens)), 1),
             max_new_min=int(mnt.min()), max_new_median=float(np.median(mnt)), max_new_mean=round(float(mnt.mean()), 1),
             max_new_max=int(mnt.max()), requested_tokens=self.requested_tokens,
-            unique_prompt_tokens=sum(lens), all_prompt_tokens=self.prompt_tokens, seed=self.seed, scale=self.scale)
+            unique_prompt_tokens=sum(lens), all_prompt_tokens=self.prompt_tokens, seed=self.seed, scale=self.scale,
+            temperature=self.temperature, top_p=self.top_p)
 
 
 W1_PROMPTS = 32
@@ -205,6 +208,37 @@ def build_grpo(vocab_size: int, scale: float = 1.0, seed: int = 0, samples: int 
         description=(f"GRPO: {keep} prompts x {samples} samples, prompt len U[{GRPO_PROMPT_LEN[0]},"
                      f"{GRPO_PROMPT_LEN[1]}], max_new_tokens lognormal(median {GRPO_MEDIAN_NEW:g}, sigma {GRPO_SIGMA}) "
                      f"clipped to {list(GRPO_NEW_CLIP)}, EOS ignored, temperature 1"))
+
+
+W2_PREFIXES = 4  # few-shot templates: each opens 8 of the 32 prompts
+W2_PREFIX_LEN = 200
+W2_SUFFIX_LEN = (16, 64)  # inclusive: the question after the shared template
+W2_MEDIAN_NEW = 48.0
+W2_SIGMA = 1.0  # a long tail: about 1 completion in 20 runs 5x the median or more
+W2_NEW_CLIP = (4, 384)
+W2_TEMPERATURE, W2_TOP_P = 0.8, 0.95
+
+
+def build_w2(scale: float = 1.0, seed: int = 0, vocab_size: int = MODEL_CONFIG["vocab_size"]) -> Workload:
+    """W2, an RL step over templated prompts: W1's 32 prompts x 8 samples, but every prompt opens with one of 4
+    shared 200-token prefixes, nucleus sampling (temperature 0.8, top_p 0.95) and a longer tail of lengths. It
+    measures prefix sharing across requests and the truncated sampler, which W1's plain sampling never runs.
+    `scale` keeps a prefix of the prompts, as in `build_w1`."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, vocab_size, size=W2_PREFIX_LEN).tolist() for _ in range(W2_PREFIXES)]
+    lens = rng.integers(W2_SUFFIX_LEN[0], W2_SUFFIX_LEN[1] + 1, size=W1_PROMPTS)
+    prompts = [prefixes[j % W2_PREFIXES] + rng.integers(0, vocab_size, size=int(n)).tolist()
+               for j, n in enumerate(lens)]
+    new = rng.lognormal(mean=math.log(W2_MEDIAN_NEW), sigma=W2_SIGMA, size=W1_PROMPTS * W1_SAMPLES)
+    new = np.clip(np.rint(new), *W2_NEW_CLIP).astype(int).tolist()
+    keep = max(1, min(W1_PROMPTS, round(W1_PROMPTS * scale)))
+    return Workload(
+        prompts=prompts[:keep], samples=W1_SAMPLES, max_new_tokens=new[:keep * W1_SAMPLES], seed=seed, scale=scale,
+        temperature=W2_TEMPERATURE, top_p=W2_TOP_P,
+        description=(f"W2: {keep} prompts x {W1_SAMPLES} samples, {W2_PREFIXES} shared {W2_PREFIX_LEN}-token prefixes "
+                     f"+ suffixes U[{W2_SUFFIX_LEN[0]},{W2_SUFFIX_LEN[1]}], max_new_tokens lognormal(median "
+                     f"{W2_MEDIAN_NEW:g}, sigma {W2_SIGMA}) clipped to {list(W2_NEW_CLIP)}, EOS ignored, "
+                     f"temperature {W2_TEMPERATURE}, top_p {W2_TOP_P}"))
 
 
 def build_warmup(vocab_size: int = MODEL_CONFIG["vocab_size"]) -> Workload:

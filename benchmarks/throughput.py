@@ -12,6 +12,8 @@ wall time, peak RSS and the ratios to our engine.
     python benchmarks/throughput.py --systems engine,engine_compiled --engine-compile-level 1 --repeats 3
     python benchmarks/throughput.py --model qwen3-0.6b --workload grpo --dtype bfloat16 --systems engine,vllm \
         --vllm-python ~/vllm-venv/bin/python --repeats 2     # a real shape (random weights), a GRPO-shaped step
+    python benchmarks/throughput.py --workload w2 --systems engine,vllm --vllm-python ~/vllm-venv/bin/python \
+        --repeats 2                                          # shared prefixes and nucleus sampling
 
 See benchmarks/README.md for what each system does and how to read the numbers.
 """
@@ -34,6 +36,7 @@ from benchmarks.common import (
     Workload,
     build_grpo,
     build_w1,
+    build_w2,
     build_warmup,
     count_params,
     current_rss_mib,
@@ -83,11 +86,11 @@ def sample_seed(base: int, index: int) -> int:
     return base * 1_000_003 + index
 
 
-def engine_sampling(n: int, seed: int | None, **extra):
+def engine_sampling(work: Workload, n: int, seed: int | None, max_new_tokens: int):
     from rollout import SamplingParams
 
-    return SamplingParams(n=n, seed=seed, max_new_tokens=extra.pop("max_new_tokens"), temperature=1.0, top_k=0,
-                          top_p=1.0, ignore_eos=True, **extra)
+    return SamplingParams(n=n, seed=seed, max_new_tokens=max_new_tokens, temperature=work.temperature, top_k=0,
+                          top_p=work.top_p, ignore_eos=True)
 
 
 class EngineCapture:
@@ -121,7 +124,7 @@ def run_engine(model, work: Workload, args) -> dict:
 
     seqs = work.sequences()
     inputs = [p for _, p, _ in seqs]
-    params = [engine_sampling(1, None if args.no_seed else sample_seed(work.seed, i), max_new_tokens=n)
+    params = [engine_sampling(work, 1, None if args.no_seed else sample_seed(work.seed, i), max_new_tokens=n)
               for i, (_, _, n) in enumerate(seqs)]
     capture = EngineCapture()
     with capture.active():
@@ -153,7 +156,7 @@ def run_engine_groups(model, work: Workload, args) -> dict:
     group_params = []
     for j in range(len(work.prompts)):
         budgets = work.max_new_tokens[j * work.samples:(j + 1) * work.samples]
-        group_params.append(engine_sampling(work.samples, None if args.no_seed else sample_seed(work.seed, j),
+        group_params.append(engine_sampling(work, work.samples, None if args.no_seed else sample_seed(work.seed, j),
                                             max_new_tokens=max(budgets)))
     engine = LLMEngine(model, None, cfg, tokens_hint=workload_tokens(work.prompts, group_params, None))
     order = []
@@ -177,13 +180,13 @@ def run_engine_groups(model, work: Workload, args) -> dict:
                 num_errors=len(errors), engine_stats=engine.stats().as_dict())
 
 
-def hf_generation_config(max_new_tokens: int = 256, eos_token_id: int | None = -1):
+def hf_generation_config(work: Workload, max_new_tokens: int = 256, eos_token_id: int | None = -1):
     from transformers import GenerationConfig
 
-    # top_k=0 / top_p=1: plain temperature-1 sampling, no truncation warpers. No EOS: the CB manager wants -1 for
+    # top_k=0, and top_p=1 outside W2: no truncation warpers but the workload's. No EOS: the CB manager wants -1 for
     # "disabled", model.generate wants None (the model config has no EOS either).
-    return GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos_token_id,
-                            pad_token_id=0, max_new_tokens=max_new_tokens)
+    return GenerationConfig(do_sample=True, temperature=work.temperature, top_k=0, top_p=work.top_p,
+                            eos_token_id=eos_token_id, pad_token_id=0, max_new_tokens=max_new_tokens)
 
 
 def hf_cb_config(work: Workload, args):
@@ -200,7 +203,7 @@ def run_hf_cb(model, work: Workload, args) -> dict:
     """transformers' manager: one request per sequence with its own max_new_tokens, results read with get_result."""
     seqs = work.sequences()
     t0 = time.perf_counter()
-    manager = model.init_continuous_batching(generation_config=hf_generation_config(),
+    manager = model.init_continuous_batching(generation_config=hf_generation_config(work),
                                              continuous_batching_config=hf_cb_config(work, args))
     manager.start()
     results = {}
@@ -253,7 +256,7 @@ def run_hf_generate(model, work: Workload, args) -> dict:
         budget = max(seqs[i][2] for i in chunk)
         torch.manual_seed(sample_seed(work.seed, start))
         out = model.generate(input_ids=ids, attention_mask=mask,
-                             generation_config=hf_generation_config(budget, eos_token_id=None))
+                             generation_config=hf_generation_config(work, budget, eos_token_id=None))
         new = out.shape[1] - width
         computed += new * len(chunk)
         for i in chunk:
@@ -267,8 +270,8 @@ _VLLM: dict = {}  # the LLM instance, built once per child (warm-up and timed ru
 
 def run_vllm(model, work: Workload, args) -> dict:
     """vLLM's offline engine on the same weights (saved as a checkpoint in this child) and the same sequences: one
-    request per sample with its own max_tokens, temperature 1, EOS ignored, no detokenization. Runs in vLLM's own
-    virtual environment (see --vllm-python); its fastest path: no per-request seeds."""
+    request per sample with its own max_tokens, the workload's sampling, EOS ignored, no detokenization. Runs in
+    vLLM's own virtual environment (see --vllm-python); its fastest path: no per-request seeds."""
     import tempfile
 
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -281,8 +284,8 @@ def run_vllm(model, work: Workload, args) -> dict:
     llm = _VLLM["llm"]
     seqs = work.sequences()
     prompts = [TokensPrompt(prompt_token_ids=p) for _, p, _ in seqs]
-    params = [SamplingParams(max_tokens=n, temperature=1.0, top_k=0, top_p=1.0, ignore_eos=True, detokenize=False)
-              for _, _, n in seqs]
+    params = [SamplingParams(max_tokens=n, temperature=work.temperature, top_k=0, top_p=work.top_p, ignore_eos=True,
+                             detokenize=False) for _, _, n in seqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -298,6 +301,8 @@ def build_workload(args) -> Workload:
     vocab = model_shape(args.model)["vocab_size"]
     if args.workload == "grpo":
         return build_grpo(vocab, args.scale, seed=args.seed, samples=args.group_size)
+    if args.workload == "w2":
+        return build_w2(args.scale, seed=args.seed, vocab_size=vocab)
     return build_w1(args.scale, seed=args.seed, vocab_size=vocab)
 
 
@@ -595,8 +600,9 @@ def parse_args(argv=None):
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})")
     p.add_argument("--model", default="w1", choices=MODEL_CHOICES,
                    help="W1's 25.7M toy model (default) or a real small-LM shape with random weights")
-    p.add_argument("--workload", default="w1", choices=["w1", "grpo"],
-                   help="w1: 32 prompts x 8; grpo: 16 prompts of 64-256 tokens x --group-size, long tail")
+    p.add_argument("--workload", default="w1", choices=["w1", "w2", "grpo"],
+                   help="w1: 32 prompts x 8; w2: w1 over 4 shared 200-token prefixes, T=0.8, top_p=0.95, longer "
+                        "tail; grpo: 16 prompts of 64-256 tokens x --group-size, long tail")
     p.add_argument("--group-size", type=int, default=4, help="samples per prompt of --workload grpo (default 4)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of the workload's prompts to run (default 1.0)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads per system (default 2)")

@@ -50,10 +50,12 @@ MATMUL_SOURCE = CSRC / "small_matmul.c"
 # or vectorize a sum in an order of its own, and contraction would fuse a multiply and an add where the target has FMA
 # (so an AVX-512 and an AVX2 build gave different bits). Its fused multiply-adds are explicit in the source instead.
 # The RMSNorm kernel likewise: it must round where the module's own ops round (a contracted multiply-add, or a sum of
-# squares reassociated by the vectorizer, would change bf16 outputs).
+# squares reassociated by the vectorizer, would change bf16 outputs). The top-p kernel must see NaN probabilities as NaN
+# (they count as 0), which -ffast-math lets the compiler assume away.
 NORM_SOURCE = CSRC / "rms_norm.c"
 SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"],
-                NORM_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"]}
+                NORM_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"],
+                "truncation.c": ["-fno-fast-math"]}
 ENV_SWITCH = "ROLLOUT_CPU_KERNEL"
 ENV_CACHE_DIR = "ROLLOUT_KERNEL_CACHE"
 ENV_MARCH = "ROLLOUT_KERNEL_MARCH"
@@ -183,6 +185,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn = lib.rollout_top_p_keep
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -360,3 +365,20 @@ def transpose_blocks(src: torch.Tensor, dst: torch.Tensor, offset: int, blocks: 
         raise ValueError(f"transpose_blocks would write element {last} of a buffer of {dst.numel()}")
     load_kernel().rollout_transpose_blocks(src.data_ptr(), src.stride(0), dst.data_ptr() + offset * 4, blocks,
                                            group, cols, block_stride, column_stride, torch.get_num_threads())
+
+
+def top_p_keep(probs: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor | None:
+    """Per row of `probs` `[rows, vocab]` (fp32, CPU), the tokens top-p keeps under the row's budget in units of 2^-40
+    (truncation.py defines the rule; csrc/truncation.c finds it without a sort); None where the kernel cannot serve
+    the call."""
+    if probs.dim() != 2 or probs.dtype != torch.float32 or probs.device.type != "cpu" or load_kernel() is None:
+        return None
+    if budgets.dtype != torch.int64 or budgets.shape != (probs.shape[0],) or budgets.device.type != "cpu":
+        raise ValueError(f"top_p_keep takes one int64 CPU budget per row ({probs.shape[0]}), got "
+                         f"{budgets.dtype} {tuple(budgets.shape)} on {budgets.device}")
+    probs, budgets = probs.contiguous(), budgets.contiguous()
+    keep = torch.empty(probs.shape, dtype=torch.bool)
+    if load_kernel().rollout_top_p_keep(probs.data_ptr(), probs.shape[0], probs.shape[1], budgets.data_ptr(),
+                                        keep.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("the top-p kernel could not allocate its per-thread scratch memory")
+    return keep

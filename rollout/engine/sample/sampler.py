@@ -29,6 +29,7 @@ from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.engine.sample.rows import SampleResult, SampleRow
 from rollout.engine.sample.structured_output import GrammarMasker
 from rollout.engine.sample.top_logprobs import ask_alternatives, read_alternatives
+from rollout.engine.sample.truncation import truncation_mask
 from rollout.seeding import SeedStream, derive_seed
 
 _NEG_INF = float("-inf")
@@ -97,7 +98,7 @@ class Sampler:
         policy = torch.log_softmax(logits if unit else logits / temps, dim=-1)
         processed = apply_processors(logits, rows, self.grammar)
         scaled = processed.logits if unit else processed.logits / temps
-        keep = self._truncation_mask(scaled, params)
+        keep = truncation_mask(scaled, params)
         if keep is not None:
             sample_lp = torch.log_softmax(scaled.masked_fill(~keep, _NEG_INF), dim=-1)
         elif len(processed.touched) == num_rows:
@@ -140,30 +141,6 @@ class Sampler:
             idx = to_device(sorted(rows), torch.long, policy.device)
             kept[idx] = torch.logsumexp(policy[idx].masked_fill(torch.isinf(sample_lp[idx]), _NEG_INF), dim=-1)
         return kept
-
-    @staticmethod
-    def _truncation_mask(scaled: torch.Tensor, params: list[ResolvedSampling]) -> torch.Tensor | None:
-        """Tokens each row keeps after top-k, top-p (on the top-k survivors) and min-p; None if nobody truncates."""
-        if not any(p.truncates and not p.greedy for p in params):
-            return None
-        vocab, device = scaled.shape[1], scaled.device
-        min_ps = [p.min_p if not p.greedy else 0.0 for p in params]
-        top_k = to_device([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], torch.long,
-                          device)
-        top_p = to_device([p.top_p if not p.greedy else 1.0 for p in params], torch.float32, device)
-
-        sorted_vals, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=device)[None, :]
-        kth = sorted_vals.gather(1, (top_k - 1)[:, None])
-        keep_sorted = sorted_vals >= kth  # ties with the k-th value are kept, as in transformers
-        probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-        keep_sorted &= (before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1.0)
-        if any(m > 0 for m in min_ps):
-            min_p = to_device(min_ps, torch.float32, device)
-            probs = torch.softmax(sorted_vals.masked_fill(~keep_sorted, _NEG_INF), dim=-1)
-            keep_sorted &= (probs >= min_p[:, None] * probs[:, :1]) | (ranks == 0)
-        return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
 
     # ------------------------------------------------------------------ drawing
     def _draw(self, sample_lp: torch.Tensor, rows: list[SampleRow], greedy: torch.Tensor | None) -> torch.Tensor:
