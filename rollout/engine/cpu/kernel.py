@@ -50,12 +50,14 @@ MATMUL_SOURCE = CSRC / "small_matmul.c"
 # or vectorize a sum in an order of its own, and contraction would fuse a multiply and an add where the target has FMA
 # (so an AVX-512 and an AVX2 build gave different bits). Its fused multiply-adds are explicit in the source instead.
 # The RMSNorm kernel likewise: it must round where the module's own ops round (a contracted multiply-add, or a sum of
-# squares reassociated by the vectorizer, would change bf16 outputs). The top-p kernel must see NaN probabilities as NaN
-# (they count as 0), which -ffast-math lets the compiler assume away.
+# squares reassociated by the vectorizer, would change bf16 outputs). The top-p and draw kernels must see NaN
+# probabilities as NaN (they count as 0), which -ffast-math lets the compiler assume away, and the draw's exp must round
+# at every step as units.py's PyTorch operations do (without traps or errno floor vectorizes; no result changes).
 NORM_SOURCE = CSRC / "rms_norm.c"
 SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"],
                 NORM_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"],
-                "truncation.c": ["-fno-fast-math"]}
+                "truncation.c": ["-fno-fast-math"],
+                "draw.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]}
 ENV_SWITCH = "ROLLOUT_CPU_KERNEL"
 ENV_CACHE_DIR = "ROLLOUT_KERNEL_CACHE"
 ENV_MARCH = "ROLLOUT_KERNEL_MARCH"
@@ -185,6 +187,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn = lib.rollout_draw_tokens
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn = lib.rollout_top_p_keep
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -382,3 +387,21 @@ def top_p_keep(probs: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor | Non
                                         keep.data_ptr(), torch.get_num_threads()):
         raise MemoryError("the top-p kernel could not allocate its per-thread scratch memory")
     return keep
+
+
+def draw_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor | None:
+    """Per row of `logprobs` `[rows, vocab]` (fp32, CPU), the token its float64 uniform in [0, 1) draws by inverse CDF
+    over whole units of 2^-40 (csrc/draw.c; sampler.inverse_cdf defines the rule); None where the kernel cannot serve
+    the call."""
+    if logprobs.dim() != 2 or logprobs.dtype != torch.float32 or logprobs.device.type != "cpu" \
+            or load_kernel() is None:
+        return None
+    if uniforms.dtype != torch.float64 or uniforms.shape != (logprobs.shape[0],) or uniforms.device.type != "cpu":
+        raise ValueError(f"draw_tokens takes one float64 CPU uniform per row ({logprobs.shape[0]}), got "
+                         f"{uniforms.dtype} {tuple(uniforms.shape)} on {uniforms.device}")
+    logprobs, uniforms = logprobs.contiguous(), uniforms.contiguous()
+    out = torch.empty(logprobs.shape[0], dtype=torch.int64)
+    if load_kernel().rollout_draw_tokens(logprobs.data_ptr(), logprobs.shape[0], logprobs.shape[1],
+                                         uniforms.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("the draw kernel could not allocate its per-thread scratch memory")
+    return out

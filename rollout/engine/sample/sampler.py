@@ -24,12 +24,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from rollout.engine.sample.logits_processors import apply_processors, to_device
+from rollout.engine.cpu.kernel import draw_tokens
+from rollout.engine.sample.logits_processors import ProcessedLogits, apply_processors, to_device
 from rollout.engine.sample.resolve import ResolvedSampling
 from rollout.engine.sample.rows import SampleResult, SampleRow
 from rollout.engine.sample.structured_output import GrammarMasker
 from rollout.engine.sample.top_logprobs import ask_alternatives, read_alternatives
-from rollout.engine.sample.truncation import truncation_mask
+from rollout.engine.sample.truncation import masked, truncation_mask
+from rollout.engine.sample.units import lp_units
 from rollout.seeding import SeedStream, derive_seed
 
 _NEG_INF = float("-inf")
@@ -95,12 +97,15 @@ class Sampler:
 
         unit = all(t == 1.0 for t in temperatures)
         temps = None if unit else to_device(temperatures, torch.float32, device)[:, None]
-        policy = torch.log_softmax(logits if unit else logits / temps, dim=-1)
+        policy_scaled = logits if unit else logits / temps
+        policy = torch.log_softmax(policy_scaled, dim=-1)
         processed = apply_processors(logits, rows, self.grammar)
-        scaled = processed.logits if unit else processed.logits / temps
+        # where no processor ran, the sampled logits are the policy's (one division by the temperatures, not two)
+        scaled = policy_scaled if processed.logits is logits else (
+            processed.logits if unit else processed.logits / temps)
         keep = truncation_mask(scaled, params)
         if keep is not None:
-            sample_lp = torch.log_softmax(scaled.masked_fill(~keep, _NEG_INF), dim=-1)
+            sample_lp = torch.log_softmax(masked(scaled, keep), dim=-1)
         elif len(processed.touched) == num_rows:
             sample_lp = torch.log_softmax(scaled, dim=-1)
         elif processed.touched:  # only the processed rows differ from the policy
@@ -113,7 +118,7 @@ class Sampler:
         idx = tokens[:, None]
         logprobs = sample_lp.gather(1, idx).squeeze(1)
         policy_lp = policy.gather(1, idx).squeeze(1)
-        kept = self._kept_logmass(policy, sample_lp, params, processed.narrowed, keep is not None)
+        kept = self._kept_logmass(policy, sample_lp, policy_lp - logprobs, params, processed, keep is not None)
         if greedy is not None:
             # Greedy samples a point mass: logprob 0, and the kept mass is the chosen token's policy probability.
             logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
@@ -129,16 +134,27 @@ class Sampler:
         return SampleResult(host[0], host[1], host[2], host[3], processed.errors, alternatives)
 
     @staticmethod
-    def _kept_logmass(policy: torch.Tensor, sample_lp: torch.Tensor, params: list[ResolvedSampling],
-                      narrowed: list[int], truncation: bool) -> torch.Tensor:
-        """Log of the policy mass on the tokens a row could sample; exactly 0 for rows nothing narrowed."""
-        rows = {i for i, p in enumerate(params) if p.truncates and not p.greedy} if truncation else set()
-        rows.update(narrowed)
+    def _kept_logmass(policy: torch.Tensor, sample_lp: torch.Tensor, difference: torch.Tensor,
+                      params: list[ResolvedSampling], processed: ProcessedLogits, truncation: bool) -> torch.Tensor:
+        """Log of the policy mass on the tokens a row could sample; exactly 0 for rows nothing narrowed.
+
+        A truncated row that no processor touched samples the policy renormalized over the kept tokens, so its kept
+        mass is `difference` (policy logprob minus sampled logprob of its token): no pass over the vocabulary. Rows a
+        processor touched sum the policy over the tokens left (a logsumexp over the row)."""
+        truncated = {i for i, p in enumerate(params) if p.truncates and not p.greedy} if truncation else set()
+        touched = set(processed.touched)
+        summed = sorted((truncated & touched) | set(processed.narrowed))
+        by_difference = sorted(truncated - touched)
+        if len(by_difference) == len(params):
+            return difference
         kept = torch.zeros(len(params), device=policy.device)
-        if len(rows) == len(params):
+        if by_difference:
+            idx = to_device(by_difference, torch.long, policy.device)
+            kept[idx] = difference[idx]
+        if len(summed) == len(params):
             kept = torch.logsumexp(policy.masked_fill(torch.isinf(sample_lp), _NEG_INF), dim=-1)
-        elif rows:
-            idx = to_device(sorted(rows), torch.long, policy.device)
+        elif summed:
+            idx = to_device(summed, torch.long, policy.device)
             kept[idx] = torch.logsumexp(policy[idx].masked_fill(torch.isinf(sample_lp[idx]), _NEG_INF), dim=-1)
         return kept
 
@@ -163,7 +179,7 @@ class Sampler:
             keys = [derive_seed(rows[i].sampling.seed, len(rows[i].tokens), SeedStream.NOISE) for i in seeded]
             uniforms[seeded] = torch.from_numpy(keyed_uniforms(keys))
         uniforms = uniforms.to(sample_lp.device, non_blocking=True)
-        drawn = inverse_cdf(sample_lp.exp(), uniforms)
+        drawn = inverse_cdf(sample_lp, uniforms)
         if greedy is not None:
             drawn = torch.where(greedy, torch.argmax(sample_lp, dim=-1), drawn)
         return drawn
@@ -172,23 +188,30 @@ class Sampler:
 CDF_BLOCK = 1024  # vocabulary entries per block of the two-level search
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Per row, the first token whose cumulative probability (in float64) exceeds `u * total`.
+def inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds `u * total`, counted in whole units of 2^-40 of
+    exp(logprobs) (units.lp_units): the threshold is floor(u * total units), and the token the first whose cumulative
+    units pass it. A row with no units at all (every log-probability under units.LOWEST_LP) takes its argmax.
 
-    In two levels, so no `[rows, vocab]` float64 cumulative sum is built: the blocks' sums and their running total
-    find the block the threshold falls in, then that block alone is summed token by token. Scaling by the row's own
-    total makes it robust to rounding in the sum; u * total < total, so a token is always found (the clamps only guard
-    the last ulp)."""
-    rows, vocab = probs.shape
+    On CPU the kernel library does it in one pass per row (csrc/draw.c). Elsewhere, in two levels, so no
+    `[rows, vocab]` cumulative sum is built: the blocks' sums and their running total find the block the threshold
+    falls in, then that block alone is summed token by token. Both draw the same tokens: they compute the same units,
+    and integer sums are exact in any order."""
+    drawn = draw_tokens(logprobs, uniforms)
+    if drawn is not None:
+        return drawn
+    units = lp_units(logprobs)
+    rows, vocab = units.shape
     full = vocab // CDF_BLOCK * CDF_BLOCK
-    sums = [probs[:, :full].view(rows, -1, CDF_BLOCK).sum(-1, dtype=torch.float64)] if full else []
+    sums = [units[:, :full].view(rows, -1, CDF_BLOCK).sum(-1)] if full else []
     if full < vocab:
-        sums.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
-    ends = torch.cat(sums, dim=1).cumsum(dim=1)  # [rows, blocks]: cumulative mass at each block's end
-    threshold = uniforms[:, None] * ends[:, -1:]
+        sums.append(units[:, full:].sum(-1, keepdim=True))
+    ends = torch.cat(sums, dim=1).cumsum(dim=1)  # [rows, blocks]: cumulative units at each block's end
+    total = ends[:, -1:]
+    threshold = torch.minimum((uniforms[:, None] * total.double()).floor().long(), total - 1)
     block = torch.searchsorted(ends, threshold, right=True).clamp_max(ends.shape[1] - 1)  # [rows, 1]
-    before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_min(0)), 0.0)
-    index = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [rows, CDF_BLOCK]: the block's tokens
-    within = probs.gather(1, index.clamp_max(vocab - 1)).to(torch.float64).masked_fill(index >= vocab, 0.0)
-    drawn = block * CDF_BLOCK + torch.searchsorted(before + within.cumsum(dim=1), threshold, right=True)
-    return drawn.squeeze(1).clamp_max(vocab - 1)
+    before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_min(0)), 0)
+    index = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=logprobs.device)  # [rows, CDF_BLOCK]: its tokens
+    within = units.gather(1, index.clamp_max(vocab - 1)).masked_fill(index >= vocab, 0)
+    drawn = (block * CDF_BLOCK + torch.searchsorted(before + within.cumsum(dim=1), threshold, right=True)).squeeze(1)
+    return torch.where(total.squeeze(1) > 0, drawn.clamp_max(vocab - 1), logprobs.argmax(dim=-1))

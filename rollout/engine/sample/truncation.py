@@ -5,8 +5,7 @@ The rules, in transformers' order:
   transformers);
 - top-p renormalizes the top-k survivors and orders them by probability, then by token id; it keeps a prefix of that
   order: a token stays while the probability mass strictly before it is below top_p, and the first token always
-  stays. The mass is an exact sum in units of 2^-40 (each probability rounded down to a whole unit), so no
-  summation order moves the boundary;
+  stays. The mass is an exact sum in units of 2^-40 (units.py), so no summation order moves the boundary;
 - min-p keeps the survivors whose renormalized probability is at least min_p times the row's largest.
 
 Why no sort: sorting each row is O(vocab log vocab), and at a real vocabulary (151,936 tokens) torch.sort of a 64-row
@@ -23,8 +22,8 @@ import torch
 from rollout.engine.cpu.kernel import top_p_keep
 from rollout.engine.sample.logits_processors import to_device
 from rollout.engine.sample.resolve import ResolvedSampling
+from rollout.engine.sample.units import MASS_UNITS, mass_units
 
-MASS_UNITS = 2 ** 40  # probability units of the top-p sum: 151,936 of them add up exactly in int64 with room to spare
 NO_BUDGET = 1 << 62  # a row without top-p: no mass reaches it
 _NEG_INF = float("-inf")
 
@@ -43,20 +42,22 @@ def truncation_mask(scaled: torch.Tensor, params: list[ResolvedSampling]) -> tor
         kth = row_kth_largest(scaled, top_k)
         keep = scaled >= kth[:, None]
     if any(p < 1.0 for p in top_p):
-        probs = torch.softmax(_masked(scaled, keep), dim=-1)
+        probs = torch.softmax(masked(scaled, keep), dim=-1)
         budgets = to_device([int(p * MASS_UNITS) if p < 1.0 else NO_BUDGET for p in top_p], torch.long, device)
         nucleus = row_top_p_keep(probs, budgets)
         keep = nucleus if keep is None else keep & nucleus
     if any(m > 0 for m in min_p):
-        probs = torch.softmax(_masked(scaled, keep), dim=-1)
+        probs = torch.softmax(masked(scaled, keep), dim=-1)
         floor = to_device(min_p, torch.float32, device)[:, None] * probs.amax(dim=-1, keepdim=True)
         above = probs >= floor
         keep = above if keep is None else keep & above
     return keep
 
 
-def _masked(scaled: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    return scaled if keep is None else scaled.masked_fill(~keep, _NEG_INF)
+def masked(scaled: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """`scaled` with the tokens `keep` drops at -inf: one pass (masked_fill of ~keep is a copy, a negation and a
+    fill)."""
+    return scaled if keep is None else torch.where(keep, scaled, _NEG_INF)
 
 
 def row_kth_largest(values: torch.Tensor, k: list[int]) -> torch.Tensor:
@@ -74,9 +75,8 @@ def row_top_p_keep(probs: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     found = top_p_keep(probs, budgets)
     if found is not None:
         return found
-    probs = torch.where(probs > 0, probs, 0.0)
-    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
-    units = (ordered.double() * MASS_UNITS).long()
+    ordered, order = torch.where(probs > 0, probs, 0.0).sort(dim=-1, descending=True, stable=True)
+    units = mass_units(ordered)
     keep_ordered = torch.cumsum(units, dim=-1) - units < budgets[:, None]
     keep_ordered[:, 0] = True
     return torch.zeros_like(keep_ordered).scatter(1, order, keep_ordered)

@@ -5,6 +5,7 @@ stopping. References are independent: a fresh fp32 forward of the model and tran
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -17,10 +18,12 @@ from transformers.generation.logits_process import (
 )
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+from rollout.engine.cpu.kernel import draw_tokens, load_kernel
 from rollout.engine.engine import LLMEngine
 from rollout.engine.sample.resolve import resolve_sampling
 from rollout.engine.sample.rows import SampleRow
 from rollout.engine.sample.sampler import Sampler, inverse_cdf
+from rollout.engine.sample.units import lp_units
 from tests.helpers.models import VOCAB, greedy_reference, random_prompts, run_engine, tiny_model
 
 TOL = 1e-5
@@ -508,17 +511,64 @@ def test_prompt_longer_than_the_token_budget_is_chunked(qwen3):
     assert out.error is None and out.generated_tokens == ref.generated_tokens
 
 
-@pytest.mark.parametrize("vocab", [7, 1024, 2049, 151_936])
-def test_two_level_inverse_cdf_draws_what_one_cumulative_sum_draws(vocab):
-    """The blockwise search finds the token a float64 cumulative sum over the whole row finds, for vocabularies that
-    are and are not a multiple of the block, with masked (zero-probability) tokens, and at u = 0 and u -> 1."""
+def one_level_draw(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The draw's rule over the whole row at once: the first token whose cumulative units of 2^-40 pass
+    floor(u * total units)."""
+    cum = lp_units(logprobs).cumsum(dim=-1)
+    threshold = (uniforms[:, None] * cum[:, -1:].double()).floor().long()
+    return torch.searchsorted(cum, threshold, right=True).squeeze(1)
+
+
+def draw_cases(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(vocab)
-    probs = torch.softmax(torch.randn(12, vocab, generator=g) * 3, dim=-1)
-    probs[::3, ::2] = 0.0  # masked tokens are never drawn
+    logprobs = torch.log_softmax(torch.randn(12, vocab, generator=g) * 3, dim=-1)
+    logprobs[::3, ::2] = float("-inf")  # masked tokens are never drawn
+    logprobs[2, 1::2] = -27.999  # just above LOWEST_LP, and below 2^-40 anyway: no units
+    if vocab > 4:
+        logprobs[4, 1], logprobs[5, 3] = float("nan"), 3e-7  # NaN weighs nothing; rounded above 0 counts as 0
     uniforms = torch.rand(12, generator=g, dtype=torch.float64)
     uniforms[0], uniforms[1] = 0.0, 1.0 - 2**-53
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    expected = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(1).clamp_max(vocab - 1)
-    drawn = inverse_cdf(probs, uniforms)
-    assert torch.equal(drawn, expected)
-    assert bool((probs.gather(1, drawn[:, None]) > 0).all())
+    return logprobs, uniforms
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 2049, 151_936])
+def test_two_level_inverse_cdf_draws_what_one_cumulative_sum_draws(vocab):
+    """The blockwise search (and the C kernel where it is built) finds the token an int64 cumulative sum over the
+    whole row finds, for vocabularies that are and are not a multiple of the block, with masked (-inf) tokens and
+    ones that weigh nothing (NaN, below 2^-40), and at u = 0 and u -> 1."""
+    logprobs, uniforms = draw_cases(vocab)
+    expected = one_level_draw(logprobs, uniforms)
+    assert torch.equal(inverse_cdf(logprobs, uniforms), expected)
+    with mock.patch("rollout.engine.sample.sampler.draw_tokens", lambda *args: None):
+        assert torch.equal(inverse_cdf(logprobs, uniforms), expected)
+    assert bool((logprobs.gather(1, expected[:, None]) > -27.7).all())
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no kernel library on this machine: the PyTorch path is the only one")
+def test_the_draw_kernel_serves_cpu_rows_and_refuses_bad_uniforms():
+    logprobs, uniforms = draw_cases(300)
+    assert torch.equal(draw_tokens(logprobs, uniforms), one_level_draw(logprobs, uniforms))
+    with pytest.raises(ValueError, match="one float64 CPU uniform per row"):
+        draw_tokens(logprobs, uniforms.float())
+    assert draw_tokens(logprobs.double(), uniforms) is None
+
+
+def test_a_row_without_units_draws_its_argmax():
+    logprobs = torch.tensor([[-30.0, -29.0, -29.0, float("-inf")], [-40.0, float("nan"), -31.0, float("nan")]])
+    uniforms = torch.tensor([0.5, 0.9], dtype=torch.float64)
+    assert inverse_cdf(logprobs, uniforms).tolist() == [1, 1]
+    with mock.patch("rollout.engine.sample.sampler.draw_tokens", lambda *args: None):
+        assert inverse_cdf(logprobs, uniforms).tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_units_follow_exp_to_its_rounding(seed):
+    """lp_units is floor(exp(lp) * 2^40) up to its polynomial's error: within one unit of float64's exp, never above
+    2^40 for a log-probability of at most 0."""
+    g = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(100_000, generator=g) * 28
+    logprobs[:4] = torch.tensor([0.0, -1e-30, -27.7, 3e-7])
+    exact = (logprobs.double().clamp_max(0.0).exp() * 2**40).floor().long()  # rounded above 0: counts as 0
+    units = lp_units(logprobs[None])[0]
+    assert int((units - exact).abs().max()) <= 1
+    assert int(units.max()) <= 2**40

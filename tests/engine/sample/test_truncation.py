@@ -14,13 +14,14 @@ from transformers import GenerationConfig
 from rollout.engine.cpu import kernel
 from rollout.engine.sample import truncation
 from rollout.engine.sample.resolve import ResolvedSampling, resolve_sampling
+from rollout.engine.sample.units import MASS_UNITS
 from rollout.sampling_params import SamplingParams
 
 KERNEL = kernel.load_kernel() is not None
 
 
 def units(p: float) -> int:
-    return int(p * truncation.MASS_UNITS) if p > 0 else 0  # p <= 0 and NaN weigh nothing
+    return int(p * MASS_UNITS) if p > 0 else 0  # p <= 0 and NaN weigh nothing
 
 
 def rule(row: list[float], budget: int) -> list[bool]:
@@ -59,7 +60,7 @@ def cases(draw):
     seed = draw(st.integers(0, 2 ** 16))
     fractions = draw(st.lists(st.sampled_from([0.0, 1e-13, 0.1, 0.5, 0.9, 0.95, 0.999999, 1.0, 2.0]),
                               min_size=rows, max_size=rows))
-    return adversarial_rows(seed, rows, vocab), [int(f * truncation.MASS_UNITS) for f in fractions]
+    return adversarial_rows(seed, rows, vocab), [int(f * MASS_UNITS) for f in fractions]
 
 
 @settings(max_examples=150, deadline=None)
@@ -76,7 +77,7 @@ def test_top_p_keeps_the_prefix_the_rule_names(case):
 @pytest.mark.parametrize("top_p", [0.0, 0.3, 0.95, 0.9999999])
 def test_the_kernel_and_the_torch_path_keep_the_same_tokens(vocab, top_p):
     probs = adversarial_rows(vocab, 6, vocab)
-    budgets = torch.full((6,), int(top_p * truncation.MASS_UNITS))
+    budgets = torch.full((6,), int(top_p * MASS_UNITS))
     fast = kernel.top_p_keep(probs, budgets)
     assert fast is not None  # the kernel serves it: the comparison below is not the torch path against itself
     assert torch.equal(fast, torch_path(probs, budgets))
@@ -88,7 +89,7 @@ def test_the_kernel_keeps_ties_at_the_boundary_by_token_id():
     # mass before in units of 1/4: the three quarters at ids 0, 2, 3 come first, then the eighths at 1 and 4
     cases = {0.0: [0], 0.25: [0], 0.26: [0, 2], 0.5: [0, 2], 0.75: [0, 2, 3], 0.8: [0, 2, 3, 1], 0.9: [0, 1, 2, 3, 4]}
     for top_p, kept in cases.items():
-        keep = kernel.top_p_keep(probs, torch.tensor([int(top_p * truncation.MASS_UNITS)]))
+        keep = kernel.top_p_keep(probs, torch.tensor([int(top_p * MASS_UNITS)]))
         assert keep[0].nonzero().flatten().tolist() == sorted(kept), top_p
 
 
