@@ -8,6 +8,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Collection, Sequence
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -152,12 +153,21 @@ class LLMEngine:
     def weight_version(self) -> int:
         return self.scheduler.weight_version
 
-    def set_weight_version(self, version: int, recompute: bool = False) -> None:
-        """New weights are in place: key new prefix-cache entries by `version`; optionally recompute running KV."""
+    def set_weight_version(self, version: int, recompute: bool = False, fresh: Collection[int] = ()) -> None:
+        """New weights are in place: key new prefix-cache entries by `version`; optionally recompute running KV.
+        `fresh`: the weights `load_weights` wrote with their packed copies (the other copies are refreshed on the next
+        forward)."""
         self.scheduler.weight_version = version
-        self.runner.weights_changed()
+        self.runner.weights_changed(fresh)
         if recompute:
             self.scheduler.preempt_all()
+
+    def load_weights(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], recompute: bool = False) -> int:
+        """Copy validated new values (live tensor, value) into the model in place and bump the weight version;
+        returns it. On CPU a linear weight's packed copy is written in the same pass as the weight, from the value,
+        so a sync reads the new values once instead of copying them and re-reading the weights on the next forward."""
+        self.set_weight_version(self.weight_version + 1, recompute, self.runner.load_weights(pairs))
+        return self.weight_version
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

@@ -34,7 +34,7 @@ from rollout.rl.agents.runner import EpisodeRunner, check_episode_settings
 from rollout.rl.batch import Prompt, RolloutBatch, RolloutSample, group_sizes
 from rollout.rl.calls import MAX_LISTED_PROBLEMS, EngineCalls, check_every
 from rollout.rl.scoring import ScoreBatch
-from rollout.rl.weights import StagedPairs, WeightUpdateError, apply_staged, check_on_update, stage_update
+from rollout.rl.weights import StagedPairs, WeightUpdateError, check_on_update, stage_update
 from rollout.sampling_params import SamplingParams
 from rollout.seeding import SeedStream, derive_seed
 
@@ -329,9 +329,9 @@ class RolloutGenerator:
         """
         check_on_update(on_update)
         with self.manager.pause():
-            if staged is not None:
-                apply_staged(staged)
             engine = self.calls.engine()
+            if staged is not None:
+                return engine.load_weights(staged, recompute=on_update == "recompute")
             engine.set_weight_version(engine.weight_version + 1, recompute=on_update == "recompute")
             return engine.weight_version
 

@@ -84,6 +84,45 @@ def test_update_weights_changes_outputs_and_keeps_every_buffer(model):
         assert again.stats["prefix_hit_tokens"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fresh_engine(dtype):
+    """Where the linears run on packed copies, an update writes each packed copy in the same pass as its weight: the
+    next forward refreshes none, and sampled tokens and policy logprobs equal those of an engine built on the new
+    weights."""
+    from rollout.engine.cpu.packed_copy import PackedCopy
+    from rollout.engine.cpu.packed_linear import PackedLinears, packing_available
+
+    if not packing_available(dtype):
+        pytest.skip(f"{dtype} linears are not packed on this CPU")
+    model, new_model = tiny_model("qwen3").to(dtype), perturbed(tiny_model("qwen3"), seed=9).to(dtype)
+    prompts = random_prompts([17, 40], seed=6)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3, ignore_eos=True)
+    with RolloutGenerator(new_model, continuous_batching_config=CB) as fresh:
+        expected = fresh.generate(prompts, n=2, sampling_params=params)
+    with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        gen.generate(prompts, n=2, sampling_params=params)  # the packed copies exist
+        linears = gen.manager.engine.runner.linears
+        assert isinstance(linears, PackedLinears)
+        calls = {"refresh": 0, "load": 0}
+        refresh, load = PackedCopy.refresh_in_place, PackedCopy.load_in_place
+
+        def counting(name, fn):
+            def wrapped(*args):
+                calls[name] += 1
+                return fn(*args)
+            return wrapped
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(PackedCopy, "refresh_in_place", counting("refresh", refresh))
+            patch.setattr(PackedCopy, "load_in_place", counting("load", load))
+            gen.update_weights(new_model)
+            after = gen.generate(prompts, n=2, sampling_params=params)
+        assert calls["load"] > 0 and calls["refresh"] == 0
+    for got, want in zip(after.samples, expected.samples, strict=True):
+        assert got.completion_ids == want.completion_ids
+        assert got.policy_logprobs == want.policy_logprobs
+
+
 def test_update_from_a_stream_with_peft_names_bf16_and_tied_weights_once():
     model = tiny_model("qwen3")
     new_model = perturbed(model, seed=5)

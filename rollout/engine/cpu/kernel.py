@@ -182,7 +182,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     fn = lib.rollout_transpose_blocks
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
+                   + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
     fn = lib.rollout_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -357,19 +358,26 @@ def all_finite(values: torch.Tensor) -> bool | None:
 
 
 def transpose_blocks(src: torch.Tensor, dst: torch.Tensor, offset: int, blocks: int, group: int, block_stride: int,
-                     column_stride: int) -> None:
+                     column_stride: int, plain: torch.Tensor | None = None) -> None:
     """Write `blocks` groups of `group` rows of `src` (2-D, 32-bit words, rows contiguous), each stored column by
     column, into the flat buffer `dst` (32-bit words) from element `offset` on (csrc/weight_sync.c): word (r, c) of
-    group b goes to `offset + b * block_stride + c * column_stride + r`. Bounds are checked here, not in C."""
+    group b goes to `offset + b * block_stride + c * column_stride + r`. `plain` (2-D like `src`, rows contiguous):
+    also copy those rows of `src` there in the same pass. Bounds are checked here, not in C."""
     rows, cols = src.shape
     if src.element_size() != 4 or dst.element_size() != 4 or src.stride(1) != 1 or dst.dim() != 1 \
             or dst.stride(0) != 1 or rows < blocks * group:
         raise ValueError("transpose_blocks takes 32-bit words: a 2-D source with contiguous rows, a flat buffer")
+    if plain is not None and (plain.element_size() != 4 or plain.dim() != 2 or plain.stride(1) != 1
+                              or plain.shape[1] != cols or plain.shape[0] < blocks * group):
+        raise ValueError(f"transpose_blocks copies rows into a 2-D plain tensor of 32-bit words with contiguous "
+                         f"rows, {cols} wide and at least {blocks * group} tall, got {tuple(plain.shape)}")
     last = offset + (blocks - 1) * block_stride + (cols - 1) * column_stride + group - 1
     if offset < 0 or last >= dst.numel():
         raise ValueError(f"transpose_blocks would write element {last} of a buffer of {dst.numel()}")
     load_kernel().rollout_transpose_blocks(src.data_ptr(), src.stride(0), dst.data_ptr() + offset * 4, blocks,
-                                           group, cols, block_stride, column_stride, torch.get_num_threads())
+                                           group, cols, block_stride, column_stride,
+                                           None if plain is None else plain.data_ptr(),
+                                           0 if plain is None else plain.stride(0), torch.get_num_threads())
 
 
 def top_p_keep(probs: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor | None:

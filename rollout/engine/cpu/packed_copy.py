@@ -53,6 +53,31 @@ class PackedCopy:
                 self.packed.repack(stacked_values(weights))
             self.versions = tuple(w._version for w in weights)
             return True
+        if not self._has_layout():
+            return False
+        with torch.no_grad():
+            self.layout.write_flat(self.buffer, stacked_values(weights))
+        self.versions = tuple(w._version for w in weights)
+        return True
+
+    def load_in_place(self, weight: torch.Tensor, value: torch.Tensor) -> bool:
+        """A weight update's copy of `value` into `weight`, with this packed copy rewritten from `value` in the same
+        pass (the new values are read once, not once for the copy and again for the refresh); False, with nothing
+        written, where it cannot: MKL's copy, a stack of several weights, no verified layout, or a `value` or weight
+        that is not contiguous of the weight's shape and dtype (the caller then copies, and the next forward
+        refreshes). Written through `.data`: the weight's version counter stays where it was."""
+        if isinstance(self.packed, MklPackedWeight) or not self.same_tensors((weight,)) or value.dtype != self.dtype \
+                or tuple(value.shape) != self.shapes[0] or not value.is_contiguous() or not weight.is_contiguous():
+            return False
+        if not self._has_layout():
+            return False
+        with torch.no_grad():
+            self.layout.write_both(self.buffer, weight.data, value.detach())
+        self.versions = (weight._version,)
+        return True
+
+    def _has_layout(self) -> bool:
+        """Whether the packed copy has a verified layout to write into in place (derived on first use)."""
         if self.buffer is None:
             shape = (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
             layout = packed_layout.layout_for(shape, self.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
@@ -60,7 +85,4 @@ class PackedCopy:
             if buffer is None:
                 return False
             self.layout, self.buffer = layout, buffer
-        with torch.no_grad():
-            self.layout.write_flat(self.buffer, stacked_values(weights))
-        self.versions = tuple(w._version for w in weights)
         return True

@@ -95,21 +95,32 @@ class Box:
         return dataclasses.replace(self, transpose=Transpose(blocks, group, block_stride, s2))
 
 
-def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuffle: bool) -> None:
+def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuffle: bool,
+          plain: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """Write `weight` into the flat buffer `dst` (its own dtype) along `boxes` (in words of `factor` elements, the
-    box's i0 included); `shuffle`: move the boxes that have a Transpose with channel_shuffle where the rows allow."""
+    box's i0 included); `shuffle`: move the boxes that have a Transpose with channel_shuffle where the rows allow.
+    `plain` (a tensor of weight's shape and strides): the C transposes also copy their rows of `weight` there in the
+    same pass; returns the row ranges [start, stop) they copied."""
+    copied = []
     for box in boxes:
-        src, d = weight, dst
+        src, d, live = weight, dst, plain
         if box.factor > 1:
             wide = _WIDE[box.factor * weight.element_size()]
             src, d = weight.view(wide), dst.view(wide)  # needs s1 == 1, s0 and the offset divisible: else raises
+            live = None if plain is None else plain.view(wide)
         s0, s1 = src.stride()
         start = src.storage_offset() + box.o0 * s0 + box.i0 * s1
         t = box.transpose
         if shuffle and t is not None and src.element_size() == 4 and s1 == 1 and s0 == src.shape[1]:
             if load_kernel() is not None:  # one pass, no temporary
-                group_rows = src.as_strided((t.blocks * t.group, s0), (s0, 1), start)
-                transpose_blocks(group_rows, d, box.offset, t.blocks, t.group, t.block_stride, t.column_stride)
+                rows = (t.blocks * t.group, s0)
+                group_rows = src.as_strided(rows, (s0, 1), start)
+                live_rows = None if live is None else live.as_strided(rows, (s0, 1), live.storage_offset() + start
+                                                                      - src.storage_offset())
+                transpose_blocks(group_rows, d, box.offset, t.blocks, t.group, t.block_stride, t.column_stride,
+                                 plain=live_rows)
+                if live is not None:
+                    copied.append((box.o0, box.o0 + rows[0]))
                 continue
             words = t.group * s0  # one group of whole rows, contiguous
             rows = src.as_strided((t.blocks, words, 1, 1), (words, 1, words, words), start)  # channels-last
@@ -120,6 +131,17 @@ def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuff
         sizes = [n for n, _, _, _ in box.dims]
         src_view = src.as_strided(sizes, [o * s0 + i * s1 for _, o, i, _ in box.dims], start)
         d.as_strided(sizes, [s for _, _, _, s in box.dims], box.offset).copy_(src_view)
+    return copied
+
+
+def _gaps(covered: list[tuple[int, int]], rows: int) -> list[tuple[int, int]]:
+    """The row ranges of [0, rows) outside the `covered` ones."""
+    gaps, at = [], 0
+    for start, stop in sorted(covered):
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, stop)
+    return gaps + ([(at, rows)] if at < rows else [])
 
 
 @dataclass(frozen=True)
@@ -149,6 +171,16 @@ class BlockedLayout:
         False: without the faster copies (for the checks)."""
         boxes = self.wide if wide and self.wide is not None and _can_widen(weight, self.wide) else self.boxes
         _copy(boxes, dst, weight, shuffle and self.shuffle)
+
+    def write_both(self, dst: torch.Tensor, live: torch.Tensor, weight: torch.Tensor) -> None:
+        """Write `weight` into the live weight `live` (a contiguous tensor of its shape and dtype) and into `dst`, a
+        flat buffer of this layout, reading `weight` once where the C transposes move it: each tile goes to both from
+        L1. The rows no transpose covers are copied to `live` after."""
+        both = _can_widen(live, self.wide) if self.wide is not None else True
+        boxes = self.wide if both and self.wide is not None and _can_widen(weight, self.wide) else self.boxes
+        copied = _copy(boxes, dst, weight, self.shuffle, plain=live)
+        for start, stop in _gaps(copied, weight.shape[0]):
+            live[start:stop].copy_(weight[start:stop])
 
     def write(self, packed: torch.Tensor, weight: torch.Tensor) -> bool:
         """Write `weight` into the existing packed copy `packed` in place; False (nothing written) unless `packed` has

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -193,11 +193,23 @@ class PackedLinears:
             return MklPackedWeight(values)
         return torch.ops.mkldnn._reorder_linear_weight(values, PACK_BATCH_HINT)
 
-    def clear(self) -> None:
+    def load(self, weight: torch.Tensor, value: torch.Tensor) -> bool:
+        """A weight update's copy of `value` into `weight`, writing the weight's packed copy from `value` in the same
+        pass where it has one with a verified layout (PackedCopy.load_in_place); False, with nothing written,
+        otherwise. Pass the ids of the weights it loaded to the `clear` that follows, which keeps their copies."""
+        entry = self._packs.get(id(weight))
+        return entry is not None and entry.load_in_place(weight, value)
+
+    def clear(self, fresh: Collection[int] = ()) -> None:
         """New weights are in place (writes through `.data` bump no version counter): mark every packed copy stale
-        (the next forward refreshes those it uses, in place), drop the copies of weights no longer in the model,
-        and forget the module list."""
+        (the next forward refreshes those it uses, in place) but those of the weights in `fresh` (ids of weights
+        `load` wrote, with their copies), drop the copies of weights no longer in the model, and forget the module
+        list."""
         self._epoch += 1
+        for key in fresh:
+            entry = self._packs.get(key)
+            if entry is not None:
+                entry.epoch = self._epoch
         self._pads.clear()
         self._overrides = None
         self._checked = None

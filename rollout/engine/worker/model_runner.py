@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -207,10 +207,24 @@ class ModelRunner:
         logits = getattr(out, "logits", None)
         return calls, (int(logits.shape[-2]) if isinstance(logits, torch.Tensor) and logits.dim() == 3 else -1)
 
-    def weights_changed(self) -> None:
-        """New weights are in place: drop packed copies (writes through `.data` do not bump version counters)."""
+    @torch.no_grad()
+    def load_weights(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> frozenset[int]:
+        """Copy new values into the live tensors in place (through `.data`; any dtype converted); a linear weight with
+        a packed copy gets both written from the value in one pass. Returns the ids of those weights, for
+        `weights_changed`."""
+        fresh = set()
+        for target, value in pairs:
+            if isinstance(self.linears, PackedLinears) and self.linears.load(target, value):
+                fresh.add(id(target))
+            else:
+                target.data.copy_(value)
+        return frozenset(fresh)
+
+    def weights_changed(self, fresh: Collection[int] = ()) -> None:
+        """New weights are in place: mark packed copies stale (writes through `.data` do not bump version counters),
+        but those `load_weights` wrote (`fresh`)."""
         if isinstance(self.linears, PackedLinears):
-            self.linears.clear()
+            self.linears.clear(fresh)
 
     def _layout(self, plan: StepPlan) -> tuple[torch.Tensor, ...]:
         """Per entry: query lengths, start positions, packed offsets; per token: entry (row) and position."""

@@ -19,6 +19,7 @@ from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine.cpu import packed_layout, packed_linear
 from rollout.engine.cpu.features import SMALL_MATMUL_ISAS, SMALL_MATMUL_ROWS, cpu_features, isa_flags
 from rollout.engine.cpu.kernel import load_kernel, small_matmul
+from rollout.engine.cpu.packed_copy import PackedCopy
 from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT, PackedLinears, packing_available
 from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
 from tests.helpers.paths import REPO_ROOT
@@ -339,6 +340,49 @@ def test_a_weight_update_refreshes_the_packed_copy_in_place_as_a_fresh_pack_woul
     expected, expected_bytes = _fresh(layer, x)
     assert torch.equal(out, expected) and torch.equal(_buffer_bytes(now), expected_bytes)
     assert (now is packed) == in_place
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no kernel"])
+@pytest.mark.parametrize("dtype", PACKABLE_DTYPES)
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_weight_update_writes_the_weight_and_its_packed_copy_in_one_pass(shape, dtype, kernel, monkeypatch):
+    """`load` (a weight update's copy) writes the new values into the weight and its packed copy at once: the weight
+    equals the value, the packed copy equals a fresh pack of it byte for byte, padding included, and the `clear` told
+    it is fresh keeps the copy current (no refresh on the next forward); with or without the C transposes."""
+    if not kernel:
+        monkeypatch.setattr(packed_layout, "load_kernel", lambda: None)
+    torch.manual_seed(shape[0] * 7 + shape[1])
+    layer = torch.nn.Linear(shape[1], shape[0]).to(dtype)
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
+    x = torch.randn(3, 5, shape[1]).to(dtype)
+    _, packed = _packed_forward(linears, layer, x)
+    if packed_layout.layout_for(shape, dtype, PACK_BATCH_HINT) is None:
+        pytest.skip("no verified layout here: updates copy, and the next forward repacks")
+    value = torch.randn(shape).to(dtype)
+    assert linears.load(layer.weight, value)
+    linears.clear(fresh={id(layer.weight)})
+    refreshes = []
+    monkeypatch.setattr(PackedCopy, "refresh_in_place", lambda *args: refreshes.append(args) or False)
+    out, now = _packed_forward(linears, layer, x)
+    assert torch.equal(layer.weight, value) and now is packed and not refreshes
+    expected, expected_bytes = _fresh(layer, x)
+    assert torch.equal(_buffer_bytes(now), expected_bytes) and torch.equal(out, expected)
+
+
+@needs_fp32_packing
+def test_load_declines_what_it_cannot_write_in_one_pass():
+    """Nothing written where the value is not a contiguous tensor of the weight's shape and dtype, or the weight has no
+    packed copy: the caller copies and the next forward refreshes."""
+    layer = torch.nn.Linear(48, 80)
+    linears = PackedLinears(layer, dtypes=frozenset({torch.float32}), mkl=False)
+    assert not linears.load(layer.weight, torch.randn(80, 48))  # not packed yet
+    _packed_forward(linears, layer, torch.randn(9, 48))
+    before = layer.weight.detach().clone()
+    assert not linears.load(layer.weight, torch.randn(80, 48, dtype=torch.float64))
+    assert not linears.load(layer.weight, torch.randn(48, 80).t())
+    assert not linears.load(layer.bias, torch.randn(80))
+    assert torch.equal(layer.weight, before)
 
 
 @needs_fp32_packing

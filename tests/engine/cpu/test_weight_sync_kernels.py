@@ -131,8 +131,8 @@ def test_a_packed_weight_is_refreshed_as_onednn_packs_it_with_or_without_the_ker
 
 
 def _counted(fn):
-    def counted(*args):
+    def counted(*args, **kwargs):
         counted.calls += 1
-        return fn(*args)
+        return fn(*args, **kwargs)
     counted.calls = 0
     return counted

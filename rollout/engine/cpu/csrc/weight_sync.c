@@ -16,6 +16,7 @@
  * it goes to dst[b * block_stride + c * column_stride + r].
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -47,11 +48,33 @@ static void transpose_tile(const uint32_t *src, int64_t src_stride, uint32_t *ds
     }
 }
 
+static void transpose_group(const uint32_t *src, int64_t src_stride, uint32_t *dst, int64_t group, int64_t cols,
+                            int64_t column_stride) {
+    for (int64_t c0 = 0; c0 < cols; c0 += TILE_COLS)
+        transpose_tile(src + c0, src_stride, dst + c0 * column_stride, group,
+                       cols - c0 < TILE_COLS ? cols - c0 : TILE_COLS, column_stride);
+}
+
+/* `plain` (NULL: none): also copy the source rows there, row r at plain[r * plain_stride] (a weight update writes the
+ * live weight and its packed copy from the new values at once). Then each group is first copied row by row, which
+ * streams the rows from memory, and transposed right after from the cache (a group of 64 rows of a few thousand
+ * words fits in L2); copying within the transpose's tiles instead read 64 rows and wrote 64 others at once, more
+ * streams than the prefetchers follow. */
 void rollout_transpose_blocks(const uint32_t *src, int64_t src_stride, uint32_t *dst, int64_t blocks,
                               int64_t group, int64_t cols, int64_t block_stride, int64_t column_stride,
-                              int threads) {
-    const int64_t tiles = (cols + TILE_COLS - 1) / TILE_COLS;
+                              uint32_t *plain, int64_t plain_stride, int threads) {
     (void)threads;
+    if (plain) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks > 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint32_t *rows = src + b * group * src_stride;
+            for (int64_t r = 0; r < group; r++)
+                memcpy(plain + (b * group + r) * plain_stride, rows + r * src_stride, (size_t)cols * sizeof(uint32_t));
+            transpose_group(rows, src_stride, dst + b * block_stride, group, cols, column_stride);
+        }
+        return;
+    }
+    const int64_t tiles = (cols + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks * group * cols > 65536)
     for (int64_t item = 0; item < blocks * tiles; item++) {
         const int64_t b = item / tiles, c0 = (item % tiles) * TILE_COLS;
