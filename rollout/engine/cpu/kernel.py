@@ -6,12 +6,13 @@ buffer before SDPA reads it again, so each key is moved three times; the kernel 
 needs no per-bucket masks or per-request calls. It is plain C with OpenMP (no torch headers), so it compiles in about
 a second; the library shares torch's OpenMP runtime, so the two thread pools never fight over the cores.
 
-Portability: the library is built for `-march=native` by default; `ROLLOUT_KERNEL_MARCH` picks another target
-(e.g. `x86-64-v2`, which every x86-64 CPU since about 2009 runs, or `x86-64-v3` for AVX2 machines) and is part of the
-build cache key. The C source has no intrinsics, so every target gets the same portable code, auto-vectorized for its
-ISA. After loading, the library reports what it was compiled for (rollout_kernel_features); if that needs a flag the
-running CPU lacks (say an AVX-512 build in a cache shared with an AVX2 machine), it is not used: it would die on
-SIGILL. CPU flags come from CPUID via isa.isa_flags.
+Portability: the library is built for `-march=native` by default; `ROLLOUT_KERNEL_MARCH` picks another target (e.g.
+`x86-64-v2`, which every x86-64 CPU since about 2009 runs, or `x86-64-v3` for AVX2 machines) and is part of the build
+cache key. The C source has no intrinsics, so every target gets the same portable code, auto-vectorized for its ISA (the
+weight-sync transpose uses the compilers' generic vectors, which every target lowers to its own shuffles). After
+loading, the library reports what it was compiled for (rollout_kernel_features); if that needs a flag the running CPU
+lacks (say an AVX-512 build in a cache shared with an AVX2 machine), it is not used: it would die on SIGILL. CPU flags
+come from CPUID via isa.isa_flags.
 
 OpenMP: if the compiler or its OpenMP runtime cannot build with -fopenmp (e.g. clang without libomp), the kernel is
 built again without it and runs single-threaded, with the same results (its work split never changes the numbers);

@@ -5,11 +5,13 @@
  * Finiteness: torch.aminmax reads bf16 at a fraction of memory speed, and isfinite().all() writes a mask as large as
  * the tensor. Here a value is non-finite when its exponent bits are all ones, found in one vectorized pass.
  *
- * The transposed copy: oneDNN keeps a packed weight as groups of output rows stored column by column (64 rows interleaved for fp32
- * on AVX-512; bf16 the same with each pair of columns as one 32-bit word). In PyTorch ops the transpose of each group
- * takes two passes over the weight (channel_shuffle into a fresh tensor, then a strided copy into the buffer) and page
- * faults of the temporary; after a weight update of a real-size model that was most of the sync. Here each group is
- * read once and written once, through a tile that stays in L1.
+ * The transposed copy: oneDNN keeps a packed weight as groups of output rows stored column by column (64 rows
+ * interleaved for fp32 on AVX-512; bf16 the same with each pair of columns as one 32-bit word). In PyTorch ops the
+ * transpose of each group takes two passes over the weight (channel_shuffle into a fresh tensor, then a strided copy
+ * into the buffer) and page faults of the temporary; after a weight update of a real-size model that was most of the
+ * sync. Here each group is read once and written once, 8 x 8 words at a time transposed in registers (GCC/Clang
+ * generic vectors, no intrinsics: every target gets its own shuffles). A weight update writes the live weight in the
+ * same pass (`plain`).
  *
  * Words are moved as uint32_t, so the copy is exact for any 32-bit data (fp32 values, bf16 pairs, NaN payloads).
  * Layout: word (b, r, c) of the source, row b * group + r and column c, lies at src[(b * group + r) * src_stride + c];
@@ -40,11 +42,47 @@ int rollout_any_nonfinite(const void *data, int64_t n, int dtype, int threads) {
 
 #define TILE_COLS 16 /* columns per tile: one 64-byte line of each of the group's rows */
 
+typedef uint32_t words8 __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (words8){__VA_ARGS__})
+#endif
+
+/* An 8 x 8 block of words, rows `src_stride` apart, written column by column `column_stride` apart: three rounds of
+ * shuffles in registers (the compiler's generic vectors: AVX2 or AVX-512 shuffles, narrower ones elsewhere), where
+ * word-by-word copies read every row once per column. */
+static inline void transpose8(const uint32_t *src, int64_t src_stride, uint32_t *dst, int64_t column_stride) {
+    words8 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * src_stride, sizeof(words8));
+    for (int i = 0; i < 8; i += 2) { /* pairs of rows interleaved */
+        t[i] = SHUFFLE(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = SHUFFLE(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4) { /* quads: each 128-bit half holds one column of 4 rows */
+        u[i] = SHUFFLE(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 1] = SHUFFLE(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[i + 2] = SHUFFLE(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 3] = SHUFFLE(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int c = 0; c < 4; c++) { /* the halves of rows 0-3 and 4-7 joined: columns c and c + 4 */
+        const words8 low = SHUFFLE(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        const words8 high = SHUFFLE(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+        memcpy(dst + c * column_stride, &low, sizeof(words8));
+        memcpy(dst + (c + 4) * column_stride, &high, sizeof(words8));
+    }
+}
+
 static void transpose_tile(const uint32_t *src, int64_t src_stride, uint32_t *dst, int64_t group, int64_t cols,
                            int64_t column_stride) {
-    for (int64_t c = 0; c < cols; c++) {
+    const int64_t full_rows = group / 8 * 8, full_cols = cols / 8 * 8;
+    for (int64_t c = 0; c < full_cols; c += 8)
+        for (int64_t r = 0; r < full_rows; r += 8)
+            transpose8(src + r * src_stride + c, src_stride, dst + c * column_stride + r, column_stride);
+    for (int64_t c = 0; c < cols; c++) { /* what is left: the last rows of every column, the last columns */
         uint32_t *out = dst + c * column_stride;
-        for (int64_t r = 0; r < group; r++) out[r] = src[r * src_stride + c];
+        for (int64_t r = c < full_cols ? full_rows : 0; r < group; r++) out[r] = src[r * src_stride + c];
     }
 }
 
