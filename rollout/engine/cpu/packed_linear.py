@@ -11,7 +11,7 @@ builds, 1-8 where timed faster; on other builds the rows where it is timed faste
 Packed copies of weights stacked along their output rows (`stacked_for`) serve the compiled forward's linears of one
 input as one matmul, and with MKL's copies a gated MLP's gate and up projections.
 bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
-a long run); packed and bucketed (below) it is a little faster and bounded.
+a long run); packed and bucketed (row_buckets.py) it is a little faster and bounded.
 
 How, without changing the model: around the engine's forward only, each plain `nn.Linear` gets an instance-level
 `forward` that uses the packed copy, removed again right after; the override also checks that it runs on the thread
@@ -48,19 +48,10 @@ from rollout.engine.cpu import mkl_packed
 from rollout.engine.cpu.features import PACK_BATCH_HINT, cpu_features, unpacked_max_rows
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
 from rollout.engine.cpu.packed_copy import PackedCopy, stacked_values
+from rollout.engine.cpu.row_buckets import PACKED_MAX_ROWS, padded_rows
 from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
 
-# oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to a bucket (powers of
-# two up to ROW_BUCKET, then multiples of ROW_BUCKET up to PACK_BATCH_HINT, then of WIDE_ROW_BUCKET: 63 up to 2,048
-# rows) and inputs over PACKED_MAX_ROWS run as chunks, so a long run sees a bounded set of shapes. Multiples of 8
-# rather than 16 below 256 rows: a short prefill is padded by about half as many rows, which made 17-128-token
-# prefills faster for a little more oneDNN state (benchmarks/results-history.md, "Serving": row buckets of 8). A
-# prefill runs as one matmul rather than 256-row chunks joined by `cat`, which is a copy of the whole output
-# (benchmarks/RESULTS.md, "Prefill").
-PACKED_MAX_ROWS = 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-ROW_BUCKET = 8
-WIDE_ROW_BUCKET = 64  # the compiled forward's default query padding: its steps are already buckets, never copied
 
 
 def _linear_pointwise(*args):
@@ -81,15 +72,6 @@ def _linear_binary(*args):
 
 
 _LINEAR_BINARY = _linear_binary
-
-
-def padded_rows(rows: int) -> int:
-    """The bucket a row count is padded to: a power of two up to ROW_BUCKET, then a multiple of ROW_BUCKET up to
-    PACK_BATCH_HINT, then a multiple of WIDE_ROW_BUCKET (a wide step wastes at most 63 rows, under 1/4 of its work)."""
-    if rows <= ROW_BUCKET:
-        return 1 << (rows - 1).bit_length()
-    step = ROW_BUCKET if rows <= PACK_BATCH_HINT else WIDE_ROW_BUCKET
-    return -(-rows // step) * step
 
 
 def packing_available(dtype: torch.dtype | None = None) -> bool:

@@ -6,7 +6,7 @@ takes seconds (benchmarks/RESULTS.md, "Serving" and "Compile levels"). A server 
 its first requests as fast as its later ones, as vLLM's does after its start-up runs.
 
 How: throwaway greedy requests of random token ids, one at a time, each prefilling exactly one row bucket of the packed
-linears (`packed_linear.padded_rows`: powers of two, then multiples of 8 and 64) up to `max_tokens`, then one decode
+linears (`row_buckets.padded_rows`: powers of two, then multiples of 8 and 64) up to `max_tokens`, then one decode
 step. Then nothing of them is left: their prefix-cache entries are dropped (random prompts would only crowd the cache),
 and the counters that /metrics reports (steps, tokens, peak blocks) and the sampler's random state are put back as
 they were, so the warm-up is invisible except in the time it took.
@@ -20,7 +20,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from rollout.engine.cpu.packed_linear import padded_rows
+from rollout.engine.cpu.row_buckets import padded_rows
 from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -149,7 +149,7 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
     """Rows are padded up to a bucket for oneDNN (bounded JIT-kernel memory) and cut back; inputs over PACKED_MAX_ROWS
     run in chunks.
     Padding rows hold stale data from earlier calls: they must never leak into the result."""
-    from rollout.engine.cpu.packed_linear import PACKED_MAX_ROWS, padded_rows
+    from rollout.engine.cpu.row_buckets import PACKED_MAX_ROWS, padded_rows
 
     torch.manual_seed(rows)
     layer = torch.nn.Linear(48, 80)

@@ -3,7 +3,7 @@
 import pytest
 
 from rollout import ContinuousBatchingConfig
-from rollout.engine.cpu.packed_linear import padded_rows
+from rollout.engine.cpu.row_buckets import padded_rows
 from rollout.engine.engine import LLMEngine
 from rollout.engine.worker.warm_up import bucket_lengths, warm_up
 from rollout.manager import ContinuousBatchingManager
