@@ -70,6 +70,7 @@ def weight_sync(gen: RolloutGenerator, trainer: torch.nn.Module, repeats: int) -
         repack()
 
     bf16 = {k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()}
+    repack()  # the packed copies exist, as in an engine that has run a step: an update writes them too where it can
     # the repacks get their own round and baseline, so that none of the updates above pays for freeing packed copies
     plain, module, streamed, converted = _time_interleaved(
         [plain_copy, lambda: gen.update_weights(trainer), lambda: gen.update_weights(stream()),

@@ -184,7 +184,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.rollout_transpose_blocks
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
-                   + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+                   + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
     fn = lib.rollout_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -360,25 +360,28 @@ def all_finite(values: torch.Tensor) -> bool | None:
 
 def transpose_blocks(src: torch.Tensor, dst: torch.Tensor, offset: int, blocks: int, group: int, block_stride: int,
                      column_stride: int, plain: torch.Tensor | None = None) -> None:
-    """Write `blocks` groups of `group` rows of `src` (2-D, 32-bit words, rows contiguous), each stored column by
-    column, into the flat buffer `dst` (32-bit words) from element `offset` on (csrc/weight_sync.c): word (r, c) of
-    group b goes to `offset + b * block_stride + c * column_stride + r`. `plain` (2-D like `src`, rows contiguous):
-    also copy those rows of `src` there in the same pass. Bounds are checked here, not in C."""
+    """Write `blocks` groups of `group` rows of `src` (2-D, 32- or 16-bit elements, rows contiguous), each stored
+    column by column, into the flat buffer `dst` (elements of the same width) from element `offset` on
+    (csrc/weight_sync.c): element (r, c) of group b goes to `offset + b * block_stride + c * column_stride + r`.
+    `plain` (2-D like `src`, rows contiguous): also copy those rows of `src` there in the same pass. Bounds are checked
+    here, not in C."""
     rows, cols = src.shape
-    if src.element_size() != 4 or dst.element_size() != 4 or src.stride(1) != 1 or dst.dim() != 1 \
+    width = src.element_size()
+    if width not in (2, 4) or dst.element_size() != width or src.stride(1) != 1 or dst.dim() != 1 \
             or dst.stride(0) != 1 or rows < blocks * group:
-        raise ValueError("transpose_blocks takes 32-bit words: a 2-D source with contiguous rows, a flat buffer")
-    if plain is not None and (plain.element_size() != 4 or plain.dim() != 2 or plain.stride(1) != 1
+        raise ValueError("transpose_blocks takes 32- or 16-bit elements: a 2-D source with contiguous rows, a flat "
+                         "buffer of the same element width")
+    if plain is not None and (plain.element_size() != width or plain.dim() != 2 or plain.stride(1) != 1
                               or plain.shape[1] != cols or plain.shape[0] < blocks * group):
-        raise ValueError(f"transpose_blocks copies rows into a 2-D plain tensor of 32-bit words with contiguous "
-                         f"rows, {cols} wide and at least {blocks * group} tall, got {tuple(plain.shape)}")
+        raise ValueError(f"transpose_blocks copies rows into a 2-D plain tensor of {8 * width}-bit elements with "
+                         f"contiguous rows, {cols} wide and at least {blocks * group} tall, got {tuple(plain.shape)}")
     last = offset + (blocks - 1) * block_stride + (cols - 1) * column_stride + group - 1
     if offset < 0 or last >= dst.numel():
         raise ValueError(f"transpose_blocks would write element {last} of a buffer of {dst.numel()}")
-    load_kernel().rollout_transpose_blocks(src.data_ptr(), src.stride(0), dst.data_ptr() + offset * 4, blocks,
+    load_kernel().rollout_transpose_blocks(src.data_ptr(), src.stride(0), dst.data_ptr() + offset * width, blocks,
                                            group, cols, block_stride, column_stride,
                                            None if plain is None else plain.data_ptr(),
-                                           0 if plain is None else plain.stride(0), torch.get_num_threads())
+                                           0 if plain is None else plain.stride(0), width, torch.get_num_threads())
 
 
 def top_p_keep(probs: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor | None:

@@ -5,11 +5,13 @@ Why: `torch.ops.mkldnn._reorder_linear_weight` returns an opaque mkldnn tensor i
 weights after a weight update costs many times a plain copy of the same tensors: page faults of the fresh buffers, then
 oneDNN's reorder, its primitive set up again on every call. Yet the buffer holds a fixed blocked layout, zero-padded to
 whole blocks: with AVX-512 (and AVX2) fp32 is [ceil(O/64)][I padded to 16][64], 64 output rows interleaved, and bf16
-[ceil(O/64)][I/2][64][2]. Writing the new values through views of the existing buffer allocates nothing and calls no
-oneDNN: each group of 64 rows is a transpose (bf16 pairs move as 32-bit words), done in one pass through L1-sized
-tiles by the C kernel library (csrc/weight_sync.c), or, where there is none, by torch's channels-last channel_shuffle
-kernel (a SIMD transpose into a temporary) plus a copy into the buffer; either is faster than an element-by-element
-strided `copy_` (benchmarks/RESULTS.md, "RL layer").
+[ceil(O/64)][I/2][64][2] on CPUs with bf16 dot products (without them, as on an Ice Lake Xeon: the whole weight
+transposed, [I][O]). Writing the new values through views of the existing buffer allocates nothing and calls no
+oneDNN: each group of 64 rows is a transpose (bf16 pairs move as 32-bit words; a whole-weight bf16 transpose is cut
+into groups of 64 rows of 16-bit values), done in one pass through L1-sized tiles by the C kernel library
+(csrc/weight_sync.c), or, where there is none, by torch's channels-last channel_shuffle kernel (a SIMD transpose into
+a temporary; 32-bit words only) plus a copy into the buffer; either is faster than an element-by-element strided
+`copy_` (benchmarks/RESULTS.md, "RL layer").
 
 How, trusting none of that, once per (shape, dtype) and process: sparse probe weights whose first column (first row)
 spells each row (column) index in exact digits (24 bits in fp32, 8 in bf16; 0 marks padding) give the buffer offsets
@@ -40,6 +42,7 @@ from rollout.engine.cpu.kernel import load_kernel, transpose_blocks
 logger = logging.getLogger(__name__)
 
 _WIDE = {4: torch.int32, 8: torch.int64}  # bf16 pairs adjacent in both weight and buffer are copied as one int32
+KERNEL_GROUP = 64  # rows of a transposed group the C kernel moves at a time (a group of a few thousand columns: L2)
 
 Dim = tuple[int, int, int, int]  # (size, step in o, step in i, buffer stride)
 
@@ -111,17 +114,16 @@ def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuff
         s0, s1 = src.stride()
         start = src.storage_offset() + box.o0 * s0 + box.i0 * s1
         t = box.transpose
-        if shuffle and t is not None and src.element_size() == 4 and s1 == 1 and s0 == src.shape[1]:
-            if load_kernel() is not None:  # one pass, no temporary
-                rows = (t.blocks * t.group, s0)
-                group_rows = src.as_strided(rows, (s0, 1), start)
-                live_rows = None if live is None else live.as_strided(rows, (s0, 1), live.storage_offset() + start
-                                                                      - src.storage_offset())
-                transpose_blocks(group_rows, d, box.offset, t.blocks, t.group, t.block_stride, t.column_stride,
-                                 plain=live_rows)
-                if live is not None:
-                    copied.append((box.o0, box.o0 + rows[0]))
-                continue
+        whole_rows = shuffle and t is not None and s1 == 1 and s0 == src.shape[1]
+        if whole_rows and load_kernel() is not None and src.element_size() in (2, 4):  # one pass, no temporary
+            for row, part in _kernel_parts(t):
+                at = start + row * s0
+                live_at = None if live is None else live.storage_offset() + at - src.storage_offset()
+                _transpose_part(src, d, at, box.offset + row, part, live, live_at)
+            if live is not None:
+                copied.append((box.o0, box.o0 + t.blocks * t.group))
+            continue
+        if whole_rows and src.element_size() == 4:
             words = t.group * s0  # one group of whole rows, contiguous
             rows = src.as_strided((t.blocks, words, 1, 1), (words, 1, words, words), start)  # channels-last
             moved = F.channel_shuffle(rows.view(torch.float32), t.group)  # per block: (group, cols) -> (cols, group)
@@ -132,6 +134,27 @@ def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuff
         src_view = src.as_strided(sizes, [o * s0 + i * s1 for _, o, i, _ in box.dims], start)
         d.as_strided(sizes, [s for _, _, _, s in box.dims], box.offset).copy_(src_view)
     return copied
+
+
+def _transpose_part(src: torch.Tensor, dst: torch.Tensor, at: int, offset: int, part: Transpose,
+                    live: torch.Tensor | None, live_at: int | None) -> None:
+    """The C transpose of `part`'s rows of `src` (its whole rows from element `at` on) into `dst` from `offset`,
+    copying them to `live` (from element `live_at`) in the same pass where given."""
+    rows = (part.blocks * part.group, src.stride(0))
+    live_rows = None if live is None else live.as_strided(rows, (rows[1], 1), live_at)
+    transpose_blocks(src.as_strided(rows, (rows[1], 1), at), dst, offset, part.blocks, part.group, part.block_stride,
+                     part.column_stride, plain=live_rows)
+
+
+def _kernel_parts(t: Transpose) -> list[tuple[int, Transpose]]:
+    """`t` as the C transpose runs it best, with the first row of each part: one group of many rows (a whole weight
+    stored transposed, as oneDNN packs bf16 where the CPU has no bf16 dot products) cut into groups of KERNEL_GROUP
+    rows, each of which the kernel copies and transposes from L2, and what is left."""
+    if t.blocks != 1 or t.group <= KERNEL_GROUP:
+        return [(0, t)]
+    full = t.group // KERNEL_GROUP * KERNEL_GROUP
+    parts = [(0, Transpose(full // KERNEL_GROUP, KERNEL_GROUP, KERNEL_GROUP, t.column_stride))]
+    return parts + ([(full, Transpose(1, t.group - full, 0, t.column_stride))] if full < t.group else [])
 
 
 def _gaps(covered: list[tuple[int, int]], rows: int) -> list[tuple[int, int]]:

@@ -68,7 +68,7 @@ def test_an_update_checks_finiteness_the_same_with_or_without_the_kernel(monkeyp
 
 def _reference(src: torch.Tensor, size: int, offset: int, blocks: int, group: int, block_stride: int,
                column_stride: int, fill: int) -> torch.Tensor:
-    dst = torch.full((size,), fill, dtype=torch.int32)
+    dst = torch.full((size,), fill, dtype=src.dtype)
     cols = src.shape[1]
     view = dst.as_strided((blocks, cols, group), (block_stride, column_stride, 1), offset)
     view.copy_(src[:blocks * group].reshape(blocks, group, cols).transpose(1, 2))
@@ -76,22 +76,51 @@ def _reference(src: torch.Tensor, size: int, offset: int, blocks: int, group: in
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [32, 16])
 @pytest.mark.parametrize("blocks,group,cols,pad", [(1, 1, 1, 0), (3, 64, 40, 16), (2, 32, 17, 3), (5, 16, 100, 0),
-                                                   (1, 64, 1024, 64)])
-def test_the_transposed_copy_writes_each_group_column_by_column_and_nothing_else(blocks, group, cols, pad):
+                                                   (1, 64, 1024, 64), (1, 197, 45, 0), (2, 8, 33, 1)])
+def test_the_transposed_copy_writes_each_group_column_by_column_and_nothing_else(bits, blocks, group, cols, pad):
     """Against the strided PyTorch copy of the same views, with padding between columns and blocks left as it was
-    and NaN payloads moved bit for bit."""
+    and NaN payloads moved bit for bit; with `plain`, the rows also copied as they are, and no others."""
     gen = torch.Generator().manual_seed(blocks * 1000 + cols)
-    src = torch.randint(-2**31, 2**31 - 1, (blocks * group + 3, cols), dtype=torch.int32, generator=gen)
+    words, values = {32: (torch.int32, torch.float32), 16: (torch.int16, torch.bfloat16)}[bits]
+    src = torch.randint(-2**(bits - 1), 2**(bits - 1) - 1, (blocks * group + 3, cols), dtype=words, generator=gen)
     column_stride = group + pad
     block_stride = cols * column_stride + pad
     offset = 5
     size = offset + blocks * block_stride + 7
     expected = _reference(src, size, offset, blocks, group, block_stride, column_stride, fill=-7)
-    for view in (src, src.view(torch.float32)):  # fp32 weights, bf16 pairs as int32: the same words
-        dst = torch.full((size,), -7, dtype=torch.int32).view(view.dtype)
+    for view in (src, src.view(values)):  # fp32 weights or bf16 pairs as int32; bf16 values as int16
+        dst = torch.full((size,), -7, dtype=words).view(view.dtype)
         transpose_blocks(view, dst, offset, blocks, group, block_stride, column_stride)
-        assert torch.equal(dst.view(torch.int32), expected)
+        assert torch.equal(dst.view(words), expected)
+        plain = torch.full_like(src, -3).view(view.dtype)
+        dst.view(words).fill_(-7)
+        transpose_blocks(view, dst, offset, blocks, group, block_stride, column_stride, plain=plain)
+        assert torch.equal(dst.view(words), expected)
+        assert torch.equal(plain[:blocks * group].view(words), src[:blocks * group])
+        assert (plain[blocks * group:].view(words) == -3).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 64, 65, 197, 256])
+def test_one_transposed_group_of_many_rows_moves_as_groups_of_64_and_the_rest(rows):
+    """A whole weight stored transposed (bf16 where the CPU has no bf16 dot products) is cut into parts the kernel
+    moves from L2; together they write exactly the one transpose."""
+    from rollout.engine.cpu.packed_layout import KERNEL_GROUP, Transpose, _kernel_parts
+
+    cols, offset = 23, 3
+    src = torch.randint(-2**15, 2**15 - 1, (rows, cols), dtype=torch.int16)
+    whole = Transpose(1, rows, 0, rows)
+    expected = _reference(src, offset + rows * cols + 2, offset, 1, rows, 0, rows, fill=-7)
+    dst = torch.full_like(expected, -7)
+    parts = _kernel_parts(whole)
+    for row, part in parts:
+        transpose_blocks(src[row:row + part.blocks * part.group], dst, offset + row, part.blocks, part.group,
+                         part.block_stride, part.column_stride)
+    assert torch.equal(dst, expected)
+    assert sum(part.blocks * part.group for _, part in parts) == rows
+    assert all(part.group <= KERNEL_GROUP for _, part in parts)
 
 
 @needs_kernel
@@ -99,10 +128,15 @@ def test_the_transposed_copy_refuses_what_would_write_out_of_bounds_or_misread()
     src = torch.zeros(64, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="would write element"):
         transpose_blocks(src, torch.zeros(64 * 16 - 1), 0, 1, 64, 64 * 16, 64)
-    with pytest.raises(ValueError, match="32-bit words"):
-        transpose_blocks(src.bfloat16(), torch.zeros(4096), 0, 1, 64, 64 * 16, 64)
-    with pytest.raises(ValueError, match="32-bit words"):
+    with pytest.raises(ValueError, match="32- or 16-bit elements"):
+        transpose_blocks(src.bfloat16(), torch.zeros(4096), 0, 1, 64, 64 * 16, 64)  # widths differ
+    with pytest.raises(ValueError, match="32- or 16-bit elements"):
+        transpose_blocks(src.double(), torch.zeros(4096).double(), 0, 1, 64, 64 * 16, 64)
+    with pytest.raises(ValueError, match="32- or 16-bit elements"):
         transpose_blocks(src, torch.zeros(4096), 0, 2, 64, 64 * 16, 64)  # two groups of a 64-row source
+    with pytest.raises(ValueError, match="plain tensor of 16-bit elements"):
+        transpose_blocks(src.bfloat16(), torch.zeros(4096).bfloat16(), 0, 1, 64, 64 * 16, 64,
+                         plain=torch.zeros(64, 16))
 
 
 @needs_kernel
@@ -127,11 +161,10 @@ def test_a_packed_weight_is_refreshed_as_onednn_packs_it_with_or_without_the_ker
     expected = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
     assert torch.equal(packed_layout.buffer_of(packed).view(torch.uint8),
                        packed_layout.buffer_of(expected).view(torch.uint8))
-    # the kernel moves 32-bit words (fp32, or bf16 pairs); a layout without such tiles (bf16 packed as one plain
-    # transpose, where the CPU has no bf16 dot products) is written by strided copies with or without it
-    boxes = layout.wide if layout.wide is not None else layout.boxes
-    moves_words = (layout.wide is not None or dtype == torch.float32) and any(b.transpose for b in boxes)
-    assert (packed_layout.transpose_blocks.calls > 0) == (kernel and moves_words)
+    # groups of 64 rows interleaved (bf16 as pairs where the CPU has bf16 dot products), or, without those, bf16 as
+    # one transpose of the whole weight: the kernel moves either
+    assert any(box.transpose for box in layout.boxes)
+    assert (packed_layout.transpose_blocks.calls > 0) == kernel
 
 
 def _counted(fn):
