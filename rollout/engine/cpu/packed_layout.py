@@ -117,9 +117,7 @@ def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuff
         whole_rows = shuffle and t is not None and s1 == 1 and s0 == src.shape[1]
         if whole_rows and load_kernel() is not None and src.element_size() in (2, 4):  # one pass, no temporary
             for row, part in _kernel_parts(t):
-                at = start + row * s0
-                live_at = None if live is None else live.storage_offset() + at - src.storage_offset()
-                _transpose_part(src, d, at, box.offset + row, part, live, live_at)
+                _transpose_part(src, d, start + row * s0, box.offset + row, part, live)
             if live is not None:
                 copied.append((box.o0, box.o0 + t.blocks * t.group))
             continue
@@ -137,11 +135,12 @@ def _copy(boxes: tuple[Box, ...], dst: torch.Tensor, weight: torch.Tensor, shuff
 
 
 def _transpose_part(src: torch.Tensor, dst: torch.Tensor, at: int, offset: int, part: Transpose,
-                    live: torch.Tensor | None, live_at: int | None) -> None:
+                    live: torch.Tensor | None) -> None:
     """The C transpose of `part`'s rows of `src` (its whole rows from element `at` on) into `dst` from `offset`,
-    copying them to `live` (from element `live_at`) in the same pass where given."""
+    copying them to the same rows of `live` (a tensor of src's shape and strides) in the same pass where given."""
     rows = (part.blocks * part.group, src.stride(0))
-    live_rows = None if live is None else live.as_strided(rows, (rows[1], 1), live_at)
+    live_rows = None if live is None else live.as_strided(rows, (rows[1], 1),
+                                                          live.storage_offset() + at - src.storage_offset())
     transpose_blocks(src.as_strided(rows, (rows[1], 1), at), dst, offset, part.blocks, part.group, part.block_stride,
                      part.column_stride, plain=live_rows)
 

@@ -11,9 +11,8 @@
  * takes two passes over the weight (channel_shuffle into a fresh tensor, then a strided copy into the buffer) and page
  * faults of the temporary, and a 16-bit transpose is an element-by-element strided copy; after a weight update of a
  * real-size model that was most of the sync. Here each group is read once and written once, 8 x 8 elements at a time
- * transposed in registers (GCC/Clang
- * generic vectors, no intrinsics: every target gets its own shuffles). A weight update writes the live weight in the
- * same pass (`plain`).
+ * transposed in registers (GCC/Clang generic vectors, no intrinsics: every target gets its own shuffles). A weight
+ * update writes the live weight in the same pass (`plain`).
  *
  * Elements are moved as unsigned integers of their width, so the copy is exact for any data (fp32 values, bf16
  * pairs or single bf16 values, NaN payloads).
