@@ -29,11 +29,11 @@ from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu import mkl_packed
 from rollout.engine.cpu.isa import ISA_FLAGS, KernelBuild, isa_flags
 from rollout.engine.cpu.kernel import kernel_build
-from rollout.engine.cpu.linear_timing import LinearTimings, small_kernel_rows, time_linears
+from rollout.engine.cpu.linear_timing import Bf16Timings, LinearTimings, small_kernel_rows, time_bf16, time_linears
 
 logger = logging.getLogger(__name__)
 
-PROBE_DTYPES = (torch.float32, torch.bfloat16)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # the weight dtypes probed, whose linears may run on packed copies
 # oneDNN picks its blocked layout for this many rows; measured as good for 1..1024 rows (packed_linear packs with it)
 PACK_BATCH_HINT = 256
 # The fused SiLU gate (packed_linear.run_silu_gate) is fp32 only: in bf16 eager rounds the gate to bf16 before the
@@ -52,6 +52,11 @@ ENV_UNPACKED_MAX_ROWS = "ROLLOUT_UNPACKED_MAX_ROWS"
 # 2-8 rows), the kernel is not used. The figures: benchmarks/RESULTS.md, "Small steps".
 SMALL_MATMUL_ROWS = (3, 8)
 SMALL_MATMUL_ISAS = ("avx512f",)
+# bf16 linears compute on fp32 copies of the bf16 weights (the input widened, each output rounded back to bf16) where
+# those are timed faster than bf16 arithmetic: on CPUs without bf16 dot products (no AVX512_BF16, no AMX) oneDNN
+# emulates bf16 (linear_timing.py). The copies cost twice the bf16 weights' RAM instead of once. 0: never, 1: wherever
+# fp32 weights can be packed.
+ENV_BF16_VIA_FP32 = "ROLLOUT_BF16_VIA_FP32"
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,11 @@ class CpuFeatures:
     # fp32 packed copies are MKL's (mkl_packed.py) rather than oneDNN's; else why not
     mkl_packed: bool = False
     mkl_packed_reason: str = "not probed"
+    # bf16 linears run on fp32 copies of their weights (see ENV_BF16_VIA_FP32), except steps of at most
+    # `bf16_unpacked_max_rows` rows, which keep F.linear on the bf16 weights; what decided it
+    bf16_via_fp32: bool = False
+    bf16_unpacked_max_rows: int = 0
+    bf16_timings: Bf16Timings | None = None
 
     @property
     def small_matmul_kernel(self) -> bool:
@@ -100,6 +110,11 @@ class CpuFeatures:
         """Whether linear weights of `dtype` can be oneDNN-packed here."""
         return dtype in self.packed_dtypes
 
+    @property
+    def served_dtypes(self) -> frozenset[torch.dtype]:
+        """The weight dtypes whose linears run on packed copies here: oneDNN's own, or fp32 copies of bf16 weights."""
+        return self.packed_dtypes | (frozenset({torch.bfloat16}) if self.bf16_via_fp32 else frozenset())
+
     def packing_error(self, dtype: torch.dtype) -> str:
         """Why `dtype` cannot be packed here ("" when it can)."""
         return dict(self.packing_errors).get(_name(dtype), "")
@@ -107,7 +122,7 @@ class CpuFeatures:
     def describe(self) -> str:
         """One line: the CPU, torch's ISA level, packed linears per dtype (with why not), the attention kernel."""
         flags = " ".join(f for f in ISA_FLAGS if f in self.isa) or "none of interest"
-        packing = ", ".join(_packing_word(self, dtype) for dtype in PROBE_DTYPES)
+        packing = ", ".join(_packing_word(self, dtype) for dtype in PACKED_DTYPES)
         if not self.onednn:
             packing = "unavailable (torch built without oneDNN)"
         fused = ", ".join(_name(d) for d in SILU_GATE_DTYPES if d in self.gate_dtypes) or "no"
@@ -120,10 +135,13 @@ class CpuFeatures:
             parts.append(f"the small-rows kernel at {low}-{high} rows")
         small = ", ".join([*parts, "packed otherwise"]) if parts else "packed"
         by_mkl = "yes" if self.mkl_packed else f"no ({self.mkl_packed_reason})"
+        bf16 = "on fp32 copies" + (f" (F.linear up to {self.bf16_unpacked_max_rows} rows)"
+                                   if self.bf16_unpacked_max_rows else "") if self.bf16_via_fp32 else "in bf16"
+        timings = [t.describe() for t in (self.linear_timings, self.bf16_timings) if t is not None]
         return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
                 f"oneDNN packed linear: {packing}; fp32 packed copies by MKL: {by_mkl}; fused SiLU gate: {fused}; "
-                f"fp32 linears of small steps: {small}; attention kernel: {self.kernel.describe()}"
-                + (f"; {self.linear_timings.describe()}" if self.linear_timings is not None else ""))
+                f"fp32 linears of small steps: {small}; bf16 linears: {bf16}; attention kernel: "
+                f"{self.kernel.describe()}" + "".join(f"; {t}" for t in timings))
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -226,6 +244,23 @@ def measure_linears(packed_dtypes: frozenset[torch.dtype], build: KernelBuild) -
                         cpu_kernel.small_matmul if build.available else None, small_kernel_rows(_rule_rows(build)))
 
 
+def bf16_route(packed_dtypes: frozenset[torch.dtype]) -> tuple[bool, int, Bf16Timings | None]:
+    """(bf16 linears on fp32 copies, F.linear's rows below them, the timings that decided): $ROLLOUT_BF16_VIA_FP32
+    when set, else timed (`time_bf16`); never where fp32 weights cannot be packed."""
+    value = os.environ.get(ENV_BF16_VIA_FP32, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV_BF16_VIA_FP32}={value!r}: expected 0 (bf16 linears compute in bf16), 1 (on fp32 "
+                         "copies of the weights wherever fp32 is packed) or unset (where those measure faster)")
+    if torch.float32 not in packed_dtypes or value == "0":
+        return False, 0, None
+    timings = time_bf16(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
+                        torch.bfloat16 in packed_dtypes)
+    if value == "1":
+        return True, 0, timings
+    wins = timings.via_fp32_wins()
+    return wins, timings.unpacked_max_rows() if wins else 0, timings
+
+
 def _rule_rows(build: KernelBuild) -> tuple[int, int] | None:
     """SMALL_MATMUL_ROWS on builds for the ISAs the kernel serves by rule (SMALL_MATMUL_ISAS), else None."""
     return SMALL_MATMUL_ROWS if build.isa in SMALL_MATMUL_ISAS else None
@@ -251,12 +286,13 @@ def detect() -> CpuFeatures:
     """Probe everything now (uncached): the packed linears per dtype and the attention kernel build."""
 
     onednn = torch.backends.mkldnn.is_available()
-    errors = {_name(d): probe_packed_linear(d) if onednn else "torch built without oneDNN" for d in PROBE_DTYPES}
-    packed = frozenset(d for d in PROBE_DTYPES if not errors[_name(d)])
+    errors = {_name(d): probe_packed_linear(d) if onednn else "torch built without oneDNN" for d in PACKED_DTYPES}
+    packed = frozenset(d for d in PACKED_DTYPES if not errors[_name(d)])
     build = kernel_build()
     timings = measure_linears(packed, build)
     mkl_reason = mkl_packed_reason(packed, timings)
     silu_gate = frozenset(d for d in SILU_GATE_DTYPES if d in packed and not probe_silu_gate(d))
+    bf16_via_fp32, bf16_rows, bf16_timings = bf16_route(packed)
     return CpuFeatures(
         machine=platform.machine(), cpu_name=_cpu_name(), isa=isa_flags(),
         torch_capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn,
@@ -264,7 +300,8 @@ def detect() -> CpuFeatures:
         packed_dtypes=packed, packing_errors=tuple((name, why) for name, why in errors.items() if why),
         silu_gate_dtypes=silu_gate, unpacked_max_rows=unpacked_max_rows(timings, not mkl_reason),
         linear_timings=timings, kernel=build, mkl_packed=not mkl_reason, mkl_packed_reason=mkl_reason,
-        small_matmul_rows=small_matmul_rows(timings, build, not mkl_reason))
+        small_matmul_rows=small_matmul_rows(timings, build, not mkl_reason), bf16_via_fp32=bf16_via_fp32,
+        bf16_unpacked_max_rows=bf16_rows, bf16_timings=bf16_timings)
 
 
 @functools.lru_cache(maxsize=1)
@@ -273,3 +310,27 @@ def cpu_features() -> CpuFeatures:
     features = detect()
     logger.info("CPU fast paths: %s", features.describe())
     return features
+
+
+def _linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """The PACKED_DTYPES among the CPU weights of the plain nn.Linears that PackedLinears would serve."""
+    return {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
+            and type(m).forward is torch.nn.Linear.forward and m.weight.device.type == "cpu"
+            and m.weight.dtype in PACKED_DTYPES}
+
+
+def require_packing(model: torch.nn.Module) -> None:
+    """For an explicit prepack_weights=True: a ValueError saying what is missing when this torch build or CPU cannot
+    pack the model's linear weights (None packs what it can and leaves the rest on F.linear)."""
+    features = cpu_features()
+    if not features.onednn:
+        raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
+                         "leave it None to use packing only where it is available")
+    missing = sorted(_linear_dtypes(model) - features.served_dtypes, key=str)
+    if missing:
+        dtype = missing[0]
+        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT)" \
+            if dtype == torch.bfloat16 else ""
+        raise ValueError(f"prepack_weights=True, but oneDNN cannot pack {dtype} linear weights on this CPU{need}: "
+                         f"{features.packing_error(dtype)}. Leave prepack_weights None to pack only the dtypes this "
+                         f"CPU supports ({dtype} linears then run on F.linear), or set it to False")

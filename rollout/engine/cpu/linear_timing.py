@@ -16,6 +16,12 @@ batch's, and the clocks choose:
 - below that, steps skip the packed copies for `F.linear` where it beats the chosen copies at every row count up to
   there (`unpacked_max_rows`).
 
+bf16 weights are timed the same way (`time_bf16`): oneDNN's bf16 copies where it packs bf16, F.linear on the weights as
+stored, and fp32 copies of the bf16 weights (the input widened to fp32, the output rounded back to bf16). On a CPU
+without bf16 dot products (AVX512_BF16, AMX) oneDNN emulates bf16 arithmetic and the fp32 copies win from a few rows
+up; at a row or two the bf16 weights, half the bytes to stream, stay faster (benchmarks/RESULTS.md, "bf16 on fp32
+copies").
+
 A margin keeps a near-tie on the incumbent (the packed copies; oneDNN's over MKL's), so noise does not flip a choice
 between runs. Every backend gives F.linear's values to fp32 rounding (the correctness probes in features.py and
 mkl_packed.py), so the choice moves speed, not results. ROLLOUT_MKL_PACKED and ROLLOUT_UNPACKED_MAX_ROWS override it.
@@ -98,6 +104,42 @@ class LinearTimings:
         return f"µs per {PROBE_WEIGHTS} {PROBE_OUT}x{PROBE_IN} fp32 linears by rows: " + ", ".join(cells)
 
 
+@dataclass(frozen=True)
+class Bf16Timings:
+    """Best seconds per call of bf16 linears: {backend: {rows: seconds}}; backends "f_linear" (the bf16 weights as
+    stored), "via_fp32" (fp32 copies of them) and, where oneDNN packs bf16, "onednn" (its bf16 copies)."""
+
+    seconds: dict[str, dict[int, float]]
+
+    def _native(self, rows: int) -> float:
+        """The faster of the paths that compute in bf16 at `rows` (what serves bf16 without the fp32 copies)."""
+        return min(by_rows[rows] for name, by_rows in self.seconds.items() if name != "via_fp32")
+
+    def via_fp32_wins(self) -> bool:
+        """Whether the fp32 copies beat bf16 arithmetic by the margin at every one of BATCH_ROWS."""
+        return all(self.seconds["via_fp32"][r] <= MARGIN * self._native(r) for r in BATCH_ROWS)
+
+    def unpacked_max_rows(self) -> int:
+        """With the fp32 copies: the most rows up to which F.linear on the bf16 weights beats them, 0 if it never
+        does."""
+        best = 0
+        for rows in SMALL_ROWS:
+            if not self.seconds["f_linear"][rows] <= MARGIN * self.seconds["via_fp32"][rows]:
+                break
+            best = rows
+        return best
+
+    def describe(self) -> str:
+        cells = [f"{name} " + "/".join(f"{rows}:{s * 1e6:.0f}" for rows, s in sorted(by_rows.items()))
+                 for name, by_rows in self.seconds.items()]
+        return f"µs per {PROBE_WEIGHTS} {PROBE_OUT}x{PROBE_IN} bf16 linears by rows: " + ", ".join(cells)
+
+
+def via_fp32(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """A bf16 linear on oneDNN's fp32 copy of the weight: the input widened, the output rounded back to its dtype."""
+    return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").to(x.dtype)
+
+
 def _best_of(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(REPEATS):
@@ -130,20 +172,45 @@ def time_linears(onednn_pack: Callable[[torch.Tensor], torch.Tensor],
                         lambda xs, p: torch.ops.mkldnn._linear_pointwise(xs, p, None, "none", [], ""))}
     if mkl_pack is not None:
         backends["mkl"] = _over([mkl_pack(w) for w in weights], lambda xs, p: p.linear(xs))
-    seconds: dict[str, dict[int, float]] = {name: {} for name in backends}
+    limited: dict[str, tuple[int, ...]] = {}
     if small_matmul is not None:
-        seconds["small"] = {}
+        backends["small"] = lambda xs: [small_matmul(xs, w, None) for w in weights]
+        limited["small"] = small_rows
+    seconds = _timed(backends, x, (*SMALL_ROWS, *BATCH_ROWS), limited)
+    return LinearTimings(seconds)
+
+
+def time_bf16(onednn_pack: Callable[[torch.Tensor], torch.Tensor], bf16_packs: bool) -> Bf16Timings:
+    """Time bf16 linears at SMALL_ROWS and BATCH_ROWS rows: F.linear on the bf16 weights, `onednn_pack`'s copies of
+    their fp32 values (`via_fp32`) and, where oneDNN packs bf16 (`bf16_packs`), its bf16 copies."""
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(PROBE_OUT, PROBE_IN, generator=g) / PROBE_IN ** 0.5).bfloat16()
+               for _ in range(PROBE_WEIGHTS)]
+    x = torch.randn(max(BATCH_ROWS), PROBE_IN, generator=g).bfloat16()
+    backends: dict[str, Callable[[torch.Tensor], list]] = {
+        "f_linear": lambda xs: [F.linear(xs, w) for w in weights],
+        "via_fp32": _over([onednn_pack(w.float()) for w in weights], via_fp32)}
+    if bf16_packs:
+        backends["onednn"] = _over([onednn_pack(w) for w in weights],
+                                   lambda xs, p: torch.ops.mkldnn._linear_pointwise(xs, p, None, "none", [], ""))
+    return Bf16Timings(_timed(backends, x, (*SMALL_ROWS, *BATCH_ROWS)))
+
+
+def _timed(backends: dict[str, Callable[[torch.Tensor], list]], x: torch.Tensor, rows_timed: tuple[int, ...],
+           limited: dict[str, tuple[int, ...]] | None = None) -> dict[str, dict[int, float]]:
+    """Best seconds per call of each backend on the first rows of `x`, per row count (the backends in `limited` only
+    at the rows it gives them), the backends alternating."""
+    limited = limited or {}
+    seconds: dict[str, dict[int, float]] = {name: {} for name in backends}
     with torch.no_grad():
-        for rows in (*SMALL_ROWS, *BATCH_ROWS):
+        for rows in rows_timed:
             xs = x[:rows].contiguous()
-            calls = {name: _bound(run, xs) for name, run in backends.items()}
-            if small_matmul is not None and rows in small_rows:
-                calls["small"] = _bound(lambda v: [small_matmul(v, w, None) for w in weights], xs)
+            calls = {name: _bound(run, xs) for name, run in backends.items() if rows in limited.get(name, (rows,))}
             for call in calls.values():
                 call()  # first calls build kernels
             for name, s in _best_of(calls).items():
                 seconds[name][rows] = s
-    return LinearTimings(seconds)
+    return seconds
 
 
 def _over(packs: list, linear: Callable[[torch.Tensor, object], torch.Tensor]) -> Callable[[torch.Tensor], list]:

@@ -10,12 +10,18 @@ import torch
 
 from rollout.engine.cpu import packed_layout
 from rollout.engine.cpu.features import PACK_BATCH_HINT
+from rollout.engine.cpu.heap import release_free_memory
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
 
 
 def stacked_values(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The values a packed copy holds: one weight, or several stacked along their output rows."""
     return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+
+
+def packed_dtype(packed: torch.Tensor | MklPackedWeight) -> torch.dtype:
+    """The dtype a packed copy holds and computes in (fp32 copies of bf16 weights: fp32)."""
+    return torch.float32 if isinstance(packed, MklPackedWeight) else packed.dtype
 
 
 @dataclass
@@ -46,17 +52,18 @@ class PackedCopy:
 
     def refresh_in_place(self, weights: tuple[torch.Tensor, ...]) -> bool:
         """Write the new values of `weights` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
-        them out (MKL's copies: repacked into their own buffer); False, with nothing written, where no verified layout
-        fits (the caller then repacks in full)."""
+        them out (MKL's copies: repacked into their own buffer; fp32 copies of bf16 weights: from the values
+        widened); False, with nothing written, where no verified layout fits (the caller then repacks in full)."""
         if isinstance(self.packed, MklPackedWeight):
             with torch.no_grad():
-                self.packed.repack(stacked_values(weights))
-            self.versions = tuple(w._version for w in weights)
-            return True
-        if not self._has_layout():
+                self.packed.repack(stacked_values(weights).float())
+        elif self._has_layout():
+            with torch.no_grad():
+                self.layout.write_flat(self.buffer, stacked_values(weights).to(self.packed.dtype))
+        else:
             return False
-        with torch.no_grad():
-            self.layout.write_flat(self.buffer, stacked_values(weights))
+        if packed_dtype(self.packed) != self.dtype:
+            release_free_memory()  # the widened temporary's memory (heap.py)
         self.versions = tuple(w._version for w in weights)
         return True
 
@@ -64,9 +71,11 @@ class PackedCopy:
         """A weight update's copy of `value` into `weight`, with this packed copy rewritten from `value` in the same
         pass (the new values are read once, not once for the copy and again for the refresh); False, with nothing
         written, where it cannot: MKL's copy, a stack of several weights, no verified layout, or a `value` or weight
-        that is not contiguous of the weight's shape and dtype (the caller then copies, and the next forward
-        refreshes). Written through `.data`: the weight's version counter stays where it was."""
-        if isinstance(self.packed, MklPackedWeight) or not self.same_tensors((weight,)) or value.dtype != self.dtype \
+        that is not contiguous of the weight's shape and dtype, or an fp32 copy of a bf16 weight (the caller then
+        copies, and the next forward refreshes). Written through `.data`: the weight's version counter stays where it
+        was."""
+        if isinstance(self.packed, MklPackedWeight) or self.packed.dtype != self.dtype or value.dtype != self.dtype \
+                or not self.same_tensors((weight,)) \
                 or tuple(value.shape) != self.shapes[0] or not value.is_contiguous() or not weight.is_contiguous():
             return False
         if not self._has_layout():
@@ -80,7 +89,7 @@ class PackedCopy:
         """Whether the packed copy has a verified layout to write into in place (derived on first use)."""
         if self.buffer is None:
             shape = (sum(s[0] for s in self.shapes), *self.shapes[0][1:])
-            layout = packed_layout.layout_for(shape, self.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
+            layout = packed_layout.layout_for(shape, self.packed.dtype, PACK_BATCH_HINT) if len(shape) == 2 else None
             buffer = layout.buffer(self.packed) if layout is not None else None
             if buffer is None:
                 return False

@@ -11,7 +11,9 @@ builds, 1-8 where timed faster; on other builds the rows where it is timed faste
 Packed copies of weights stacked along their output rows (`stacked_for`) serve the compiled forward's linears of one
 input as one matmul, and with MKL's copies a gated MLP's gate and up projections.
 bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
-a long run); packed and bucketed (row_buckets.py) it is a little faster and bounded.
+a long run); packed and bucketed (row_buckets.py) it is a little faster and bounded. Where the CPU has no bf16 dot
+products oneDNN emulates bf16, and bf16 weights get fp32 copies instead where those are timed faster (features.py,
+ENV_BF16_VIA_FP32): `run` widens the input and rounds each output back to bf16.
 
 How, without changing the model: around the engine's forward only, each plain `nn.Linear` gets an instance-level
 `forward` that uses the packed copy, removed again right after; the override also checks that it runs on the thread
@@ -29,8 +31,9 @@ is one extra copy of the linear weights in RAM.
 
 Which dtypes: decided once per process by cpu/features.py, which packs a small weight of each dtype and checks the
 result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
-keep `F.linear` (the same tokens, unpacked) while fp32 ones are packed. An explicit `prepack_weights=True` for a
-model whose dtype cannot be packed here is a ValueError (require_packing) rather than a silent no-op.
+run on fp32 copies where timed faster, else keep `F.linear` (unpacked), while fp32 ones are packed. An explicit
+`prepack_weights=True` for a model whose dtype cannot be served here is a ValueError (features.require_packing)
+rather than a silent no-op.
 """
 
 from __future__ import annotations
@@ -45,13 +48,12 @@ import torch.nn.functional as F
 
 from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu import mkl_packed
-from rollout.engine.cpu.features import PACK_BATCH_HINT, cpu_features, unpacked_max_rows
+from rollout.engine.cpu.features import PACK_BATCH_HINT, PACKED_DTYPES, cpu_features, unpacked_max_rows
+from rollout.engine.cpu.heap import release_free_memory
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
-from rollout.engine.cpu.packed_copy import PackedCopy, stacked_values
+from rollout.engine.cpu.packed_copy import PackedCopy, packed_dtype, stacked_values
 from rollout.engine.cpu.row_buckets import PACKED_MAX_ROWS, padded_rows
 from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
-
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _linear_pointwise(*args):
@@ -81,39 +83,22 @@ def packing_available(dtype: torch.dtype | None = None) -> bool:
     return bool(packed) if dtype is None else dtype in packed
 
 
-def _linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
-    """The PACKED_DTYPES among the CPU weights of the plain nn.Linears that PackedLinears would serve."""
-    return {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
-            and type(m).forward is torch.nn.Linear.forward and m.weight.device.type == "cpu"
-            and m.weight.dtype in PACKED_DTYPES}
-
-
-def require_packing(model: torch.nn.Module) -> None:
-    """For an explicit prepack_weights=True: a ValueError saying what is missing when this torch build or CPU cannot
-    pack the model's linear weights (None packs what it can and leaves the rest on F.linear)."""
-    features = cpu_features()
-    if not features.onednn:
-        raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
-                         "leave it None to use packing only where it is available")
-    missing = sorted(_linear_dtypes(model) - features.packed_dtypes, key=str)
-    if missing:
-        dtype = missing[0]
-        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT)" \
-            if dtype == torch.bfloat16 else ""
-        raise ValueError(f"prepack_weights=True, but oneDNN cannot pack {dtype} linear weights on this CPU{need}: "
-                         f"{features.packing_error(dtype)}. Leave prepack_weights None to pack only the dtypes this "
-                         f"CPU supports ({dtype} linears then run on F.linear), or set it to False")
-
-
 class PackedLinears:
     """Context manager around the engine's forward: plain fp32/bf16 CPU `nn.Linear`s of `model` run on packed
     weights."""
 
     def __init__(self, model: torch.nn.Module, dtypes: frozenset[torch.dtype] | None = None,
-                 mkl: bool | None = None) -> None:
+                 mkl: bool | None = None, bf16_via_fp32: bool | None = None) -> None:
         self.model = model
-        # the dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
-        self.dtypes = frozenset(PACKED_DTYPES) & (cpu_features().packed_dtypes if dtypes is None else dtypes)
+        features = cpu_features()
+        # bf16 weights packed as fp32 copies (None: where cpu_features timed those faster; needs fp32 packing)
+        self.via_fp32 = frozenset({torch.bfloat16}) if (
+            features.bf16_via_fp32 if bf16_via_fp32 is None else bf16_via_fp32) and features.packs(torch.float32) \
+            else frozenset()
+        self.bf16_unpacked_max_rows = features.bf16_unpacked_max_rows if bf16_via_fp32 is None else 0
+        # the weight dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
+        self.dtypes = frozenset(PACKED_DTYPES) & (features.packed_dtypes | self.via_fp32) & (
+            frozenset(PACKED_DTYPES) if dtypes is None else dtypes)
         self._packs: dict[int, PackedCopy] = {}  # by id(weight)
         # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own
         self._stacks: dict[tuple[int, ...], PackedCopy] = {}
@@ -171,6 +156,13 @@ class PackedLinears:
         self._overrides = self._checked = None
 
     def _new_pack(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
+        if values.dtype in self.via_fp32:
+            packed = self._pack_values(values.float())
+            release_free_memory()  # the widened temporary's memory (heap.py)
+            return packed
+        return self._pack_values(values)
+
+    def _pack_values(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
         if self.mkl and values.dtype == torch.float32:
             return MklPackedWeight(values)
         return torch.ops.mkldnn._reorder_linear_weight(values, PACK_BATCH_HINT)
@@ -248,7 +240,11 @@ class PackedLinears:
 
     def run(self, x: torch.Tensor, packed: torch.Tensor | MklPackedWeight,
             bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ W.T + bias` on the packed copy of W (from `packed_for`)."""
+        """`x @ W.T + bias` on the packed copy of W (from `packed_for`); a bf16 `x` on an fp32 copy is widened, and
+        the result rounded back to bf16 (as a bf16 matmul rounds its fp32 sums)."""
+        if x.dtype != packed_dtype(packed):
+            wide = self.run(x.float(), packed, None if bias is None else bias.float())
+            return wide.to(x.dtype)
         if isinstance(packed, MklPackedWeight):
             return packed.linear(x, bias)  # any row count: no padding, no chunks
         return self._row_wise(x, lambda rows: _LINEAR_POINTWISE(rows, packed, bias, "none", [], ""))
@@ -306,12 +302,15 @@ class PackedLinears:
     def _packed_input(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether packed copies of weights of `dtype` serve input `x`: not for another dtype or an empty input, nor
         for fp32 inputs of at most `unpacked_max_rows` rows or, where the small-rows kernel serves, of
-        `small_rows` rows (`unpacked_linear` is faster there)."""
+        `small_rows` rows, nor for bf16 inputs on fp32 copies of at most `bf16_unpacked_max_rows` rows
+        (`unpacked_linear` is faster there)."""
         if x.dtype != dtype or not x.numel():
             return False
+        rows = x.numel() // x.shape[-1]
+        if x.dtype in self.via_fp32:
+            return rows > self.bf16_unpacked_max_rows
         if x.dtype != torch.float32:
             return True
-        rows = x.numel() // x.shape[-1]
         return rows > self.unpacked_max_rows and not (
             self.small_matmul and self.small_rows[0] <= rows <= self.small_rows[1])
 

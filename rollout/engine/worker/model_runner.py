@@ -17,9 +17,9 @@ from transformers import PreTrainedModel
 from rollout.engine.core.kv_groups import KVGroups
 from rollout.engine.core.request import Request
 from rollout.engine.core.step import StepPlan
-from rollout.engine.cpu.features import cpu_features
+from rollout.engine.cpu.features import cpu_features, require_packing
 from rollout.engine.cpu.kernel import KernelBatch, kernel_usable, load_kernel
-from rollout.engine.cpu.packed_linear import PackedLinears, packing_available, require_packing
+from rollout.engine.cpu.packed_linear import PackedLinears, packing_available
 from rollout.engine.cpu.packed_linear_op import active_linears
 from rollout.engine.cpu.rms_norm import FusedNorms
 from rollout.engine.sample.resolve import resolve_sampling

@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine.cpu.features import (
+    ENV_BF16_VIA_FP32,
     ENV_UNPACKED_MAX_ROWS,
     SMALL_MATMUL_ROWS,
     CpuFeatures,
@@ -19,11 +20,11 @@ from rollout.engine.cpu.features import (
     small_matmul_rows,
     unpacked_max_rows,
 )
-from rollout.engine.cpu.linear_timing import LinearTimings, small_kernel_rows
+from rollout.engine.cpu.linear_timing import Bf16Timings, LinearTimings, small_kernel_rows
 from rollout.engine.cpu.mkl_packed import forced as mkl_packed_forced
 from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT, PackedLinears
 from tests.helpers.cpu import BF16_ERROR
-from tests.helpers.models import random_prompts, run_engine, tiny_model
+from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
 
 NEW = 8
 
@@ -77,9 +78,11 @@ def test_simulated_avx2_machine_is_detected(avx2_machine):
     assert probe_packed_linear(torch.bfloat16) == BF16_ERROR
 
 
-def test_bf16_engine_on_an_avx2_machine_generates_the_unpacked_tokens(avx2_machine):
+def test_bf16_engine_on_an_avx2_machine_generates_the_unpacked_tokens(avx2_machine, monkeypatch):
     """What failed on AVX2-only EPYCs: every bf16 forward raised from the packing. Now bf16 linears keep F.linear
-    (a bf16 pack attempt would raise and fail the requests), and fp32 models are still packed."""
+    (a bf16 pack attempt would raise and fail the requests) unless their fp32 copies serve them (not here:
+    ROLLOUT_BF16_VIA_FP32=0), and fp32 models are still packed."""
+    monkeypatch.setenv(ENV_BF16_VIA_FP32, "0")
     prompts = random_prompts([11, 6], seed=7)
     model = tiny_model("qwen3").to(torch.bfloat16)
     auto = _engine(model)
@@ -96,9 +99,60 @@ def test_bf16_engine_on_an_avx2_machine_generates_the_unpacked_tokens(avx2_machi
     assert len(packed._packs) + sum(len(key) for key in packed._stacks) == len(linears)
 
 
-def test_explicit_prepack_on_an_avx2_machine(avx2_machine):
-    """prepack_weights=True asks for packing: for bf16 that this CPU cannot pack it is a ValueError saying so (and
-    what to do); for fp32 it packs as before."""
+def test_bf16_engine_on_an_avx2_machine_runs_fp32_copies_where_asked(avx2_machine, monkeypatch):
+    """Where the fp32 copies serve bf16 (ROLLOUT_BF16_VIA_FP32=1, or timed faster), an AVX2-only CPU packs bf16
+    weights as fp32 copies, and greedy decoding gives F.linear's tokens up to the first near-tie."""
+    monkeypatch.setenv(ENV_BF16_VIA_FP32, "1")
+    model = tiny_model("qwen3", lm_head_scale=2.0).to(torch.bfloat16)
+    engine = _engine(model, prepack_weights=True)  # bf16 is served here, so asking for packing is no error
+    prompts = random_prompts([9, 5], seed=3)
+    outputs = _greedy(engine, prompts)
+    copies = engine.runner.linears._packs
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(copies) == len(linears) and {c.packed.dtype for c in copies.values()} == {torch.float32}
+    for prompt, tokens in zip(prompts, outputs):
+        ref, safe = greedy_reference(model, prompt, NEW)
+        assert safe >= 2 and tokens[:safe] == ref[:safe]
+
+
+def _bf16_timings(f_linear, via_fp32, onednn=None) -> Bf16Timings:
+    """Bf16Timings with these seconds at rows 1, 2, 4, 8, 32."""
+    rows = (1, 2, 4, 8, 32)
+    seconds = {"f_linear": dict(zip(rows, f_linear)), "via_fp32": dict(zip(rows, via_fp32))}
+    return Bf16Timings({**seconds, **({"onednn": dict(zip(rows, onednn))} if onednn else {})})
+
+
+def test_bf16_route_is_chosen_by_the_clocks():
+    """The fp32 copies serve bf16 where they beat every bf16 path by the margin at the batch rows; F.linear keeps the
+    row counts below them where it beats the copies."""
+    emulated = _bf16_timings(f_linear=[1.0, 1.3, 2.6, 3.8, 10.5], via_fp32=[1.2, 1.3, 1.3, 1.8, 3.5],
+                             onednn=[0.8, 1.5, 2.0, 3.2, 9.9])  # an Ice Lake Xeon: no bf16 dot products
+    assert emulated.via_fp32_wins() and emulated.unpacked_max_rows() == 1
+    native = _bf16_timings(f_linear=[1.0, 1.1, 1.2, 1.3, 2.0], via_fp32=[1.2, 1.3, 1.3, 1.8, 3.5],
+                           onednn=[0.8, 0.8, 0.9, 1.0, 1.5])  # bf16 dot products: oneDNN's bf16 copies win
+    assert not native.via_fp32_wins()
+    near_tie = _bf16_timings(f_linear=[1.0] * 5, via_fp32=[0.95] * 5)  # within the margin: bf16 stays
+    assert not near_tie.via_fp32_wins() and near_tie.unpacked_max_rows() == 0
+
+
+@pytest.mark.parametrize("value", ["0", "1", "yes"])
+def test_bf16_route_switch(fresh_detection, monkeypatch, value):
+    monkeypatch.setenv(ENV_BF16_VIA_FP32, value)
+    if value == "yes":
+        with pytest.raises(ValueError, match=r"ROLLOUT_BF16_VIA_FP32='yes': expected 0 .* 1 .* or unset"):
+            cpu_features()
+        return
+    features = cpu_features()
+    fp32_packs = features.packs(torch.float32)
+    assert features.bf16_via_fp32 == (value == "1" and fp32_packs)
+    assert (torch.bfloat16 in features.served_dtypes) == (features.packs(torch.bfloat16) or features.bf16_via_fp32)
+    assert features.bf16_unpacked_max_rows == 0
+
+
+def test_explicit_prepack_on_an_avx2_machine(avx2_machine, monkeypatch):
+    """prepack_weights=True asks for packing: for bf16 that this CPU cannot pack (nor serve from fp32 copies) it is a
+    ValueError saying so (and what to do); for fp32 it packs as before."""
+    monkeypatch.setenv(ENV_BF16_VIA_FP32, "0")
     with pytest.raises(ValueError, match=r"cannot pack torch\.bfloat16 linear weights on this CPU \(oneDNN packs "
                                          r"bf16 only on CPUs with AVX-512.*avx512bw.*prepack_weights None"):
         _engine(tiny_model("qwen3").to(torch.bfloat16), prepack_weights=True)
@@ -132,7 +186,7 @@ def test_describe_names_every_fallback_and_why():
         "x86_64 AMD EPYC 7702 [sse4_2 avx2 fma3]; torch CPU capability AVX2; oneDNN packed linear: float32 yes, "
         f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fp32 packed copies by MKL: no (measured no "
         "faster than oneDNN's copies here); fused SiLU gate: float32; fp32 linears of small steps: packed; "
-        "attention kernel: -march=native avx2, single-threaded (no OpenMP)")
+        "bf16 linears: in bf16; attention kernel: -march=native avx2, single-threaded (no OpenMP)")
     intel = CpuFeatures(
         machine="x86_64", cpu_name="Intel Xeon", isa=frozenset({"avx512_f"}), torch_capability="AVX512", onednn=True,
         onednn_bf16_device=True, packed_dtypes=frozenset({torch.float32, torch.bfloat16}),
@@ -146,8 +200,8 @@ def test_describe_names_every_fallback_and_why():
                        kernel=KernelBuild(False, reason="no C compiler found"))
     assert bare.describe() == ("aarch64 CPU [none of interest]; torch CPU capability DEFAULT; oneDNN packed linear: "
                                "unavailable (torch built without oneDNN); fp32 packed copies by MKL: no (not probed); "
-                               "fused SiLU gate: no; fp32 linears of small steps: packed; attention kernel: "
-                               "unavailable (no C compiler found)")
+                               "fused SiLU gate: no; fp32 linears of small steps: packed; bf16 linears: in bf16; "
+                               "attention kernel: unavailable (no C compiler found)")
 
 
 def timings(f_linear, onednn, mkl=None):

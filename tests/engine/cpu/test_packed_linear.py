@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
-from rollout.engine.cpu import packed_layout, packed_linear
+from rollout.engine.cpu import mkl_packed, packed_layout, packed_linear
 from rollout.engine.cpu.features import SMALL_MATMUL_ISAS, SMALL_MATMUL_ROWS, cpu_features, isa_flags
 from rollout.engine.cpu.kernel import load_kernel, small_matmul
 from rollout.engine.cpu.packed_copy import PackedCopy
@@ -94,12 +94,12 @@ def _packed_count(engine) -> int | None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_only_cpu_fp32_and_bf16_weights_are_packed(dtype):
-    """fp16 never; bf16 only where oneDNN packs it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), else F.linear; fp32 wherever
-    torch has oneDNN. Generation works either way."""
+    """fp16 never; bf16 where oneDNN packs it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT) or its fp32 copies serve it, else
+    F.linear; fp32 wherever torch has oneDNN. Generation works either way."""
     engine = _engine(tiny_model("qwen3").to(dtype))
     assert len(_greedy(engine, random_prompts([9], seed=4)[0])) == NEW
     linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    expected = len(linears) if cpu_features().packs(dtype) else 0
+    expected = len(linears) if dtype in cpu_features().served_dtypes else 0
     assert _packed_count(engine) == (expected if packing_available() else None)
     engine.runner.weights_changed()  # marks the copies stale (refreshed in place by the next forward), drops none
     assert _packed_count(engine) == (expected if packing_available() else None)
@@ -294,7 +294,7 @@ def _buffer_bytes(packed: torch.Tensor) -> torch.Tensor:
 
 def _fresh(layer: torch.nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a fresh PackedLinears gives for `x` with the layer's current weights, and its packed buffer's bytes."""
-    fresh = PackedLinears(layer, dtypes=frozenset({layer.weight.dtype}), mkl=False)
+    fresh = PackedLinears(layer, dtypes=frozenset({layer.weight.dtype}), mkl=False, bf16_via_fp32=False)
     with torch.inference_mode(), fresh:
         out = layer(x)
     return out, _buffer_bytes(fresh._packs[id(layer.weight)].packed)
@@ -316,7 +316,7 @@ def test_a_weight_update_refreshes_the_packed_copy_in_place_as_a_fresh_pack_woul
     out_features, in_features = shape
     torch.manual_seed(out_features * 1000 + in_features)
     layer = torch.nn.Linear(in_features, out_features).to(dtype)
-    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False, bf16_via_fp32=False)
     x = torch.randn(2, 9, in_features).to(dtype)
     first, packed = _packed_forward(linears, layer, x)
     in_place = packed_layout.layout_for(shape, dtype, PACK_BATCH_HINT) is not None
@@ -354,7 +354,7 @@ def test_a_weight_update_writes_the_weight_and_its_packed_copy_in_one_pass(shape
         monkeypatch.setattr(packed_layout, "load_kernel", lambda: None)
     torch.manual_seed(shape[0] * 7 + shape[1])
     layer = torch.nn.Linear(shape[1], shape[0]).to(dtype)
-    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False, bf16_via_fp32=False)
     x = torch.randn(3, 5, shape[1]).to(dtype)
     _, packed = _packed_forward(linears, layer, x)
     if packed_layout.layout_for(shape, dtype, PACK_BATCH_HINT) is None:
@@ -368,6 +368,38 @@ def test_a_weight_update_writes_the_weight_and_its_packed_copy_in_one_pass(shape
     assert torch.equal(layer.weight, value) and now is packed and not refreshes
     expected, expected_bytes = _fresh(layer, x)
     assert torch.equal(_buffer_bytes(now), expected_bytes) and torch.equal(out, expected)
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("mkl", [False, True], ids=["onednn", "mkl"])
+def test_fp32_copies_of_bf16_weights_round_each_output_and_refresh_in_place(mkl):
+    """bf16 linears on fp32 copies: each output is the fp32 matmul of the widened input rounded to bf16 (what a bf16
+    matmul's fp32 sums give, to bf16 rounding); a weight update refreshes the copy in its own buffer from the widened
+    values, and `load` declines to write it in one pass (the next forward refreshes)."""
+    if mkl and not mkl_packed.available():
+        pytest.skip(f"MKL's packed sgemm is unavailable here: {mkl_packed.unavailable_reason()}")
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(48, 80).to(torch.bfloat16)
+    linears = PackedLinears(layer, dtypes=frozenset({torch.bfloat16}), mkl=mkl, bf16_via_fp32=True)
+    x = torch.randn(2, 9, 48).to(torch.bfloat16)
+
+    def widened() -> torch.Tensor:
+        return F.linear(x.float(), layer.weight.float(), layer.bias.float())
+
+    first, packed = _packed_forward(linears, layer, x)
+    assert first.dtype == torch.bfloat16 and torch.allclose(first.float(), widened(), atol=1e-2, rtol=8e-3)
+    assert torch.allclose(first.float(), F.linear(x, layer.weight, layer.bias).float(), atol=5e-2, rtol=5e-2)
+    assert not linears.load(layer.weight, torch.randn(80, 48).to(torch.bfloat16))
+    with torch.no_grad():
+        layer.weight.data.copy_(torch.randn(80, 48).to(torch.bfloat16))
+    linears.clear()
+    out, now = _packed_forward(linears, layer, x)
+    assert (now is packed) == (mkl or packed_layout.layout_for((80, 48), torch.float32, PACK_BATCH_HINT) is not None)
+    assert not torch.equal(out, first)
+    # to bf16 rounding of sums taken in another order: at most one bf16 step apart
+    assert torch.allclose(out.float(), widened(), atol=1e-2, rtol=8e-3)
+    fresh = PackedLinears(layer, dtypes=frozenset({torch.bfloat16}), mkl=mkl, bf16_via_fp32=True)
+    assert torch.equal(out, _packed_forward(fresh, layer, x)[0])
 
 
 @needs_fp32_packing
@@ -402,7 +434,7 @@ def test_a_strided_weight_is_refreshed_in_place_as_a_fresh_pack_would(shape, str
     layer = torch.nn.Linear(in_features, out_features).to(dtype)
     layer.weight = torch.nn.Parameter(weight(), requires_grad=False)
     assert not layer.weight.is_contiguous()
-    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False, bf16_via_fp32=False)
     x = torch.randn(7, in_features).to(dtype)
     _, packed = _packed_forward(linears, layer, x)
     layer.weight.data.copy_(weight())
@@ -422,7 +454,7 @@ def test_a_layout_that_fails_its_check_falls_back_to_a_full_repack(monkeypatch, 
     monkeypatch.setattr(packed_layout, "_verify", lambda *args, **kwargs: "forced mismatch")
     try:
         layer = torch.nn.Linear(31, 100).to(dtype)
-        linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False)
+        linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False, bf16_via_fp32=False)
         x = torch.randn(5, 31).to(dtype)
         _, packed = _packed_forward(linears, layer, x)
         with torch.no_grad():
