@@ -84,15 +84,21 @@ def test_update_weights_changes_outputs_and_keeps_every_buffer(model):
         assert again.stats["prefix_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fresh_engine(dtype):
-    """Where the linears run on packed copies, an update writes each packed copy in the same pass as its weight: the
-    next forward refreshes none, and sampled tokens and policy logprobs equal those of an engine built on the new
-    weights."""
+@pytest.mark.parametrize(("dtype", "via_fp32"), [(torch.float32, "0"), (torch.bfloat16, "0"), (torch.bfloat16, "1")],
+                         ids=["fp32", "bf16", "bf16 on fp32 copies"])
+def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fresh_engine(dtype, via_fp32,
+                                                                                          fresh_detection,
+                                                                                          monkeypatch):
+    """Where the linears run on packed copies of their own dtype, an update writes each packed copy in the same pass
+    as its weight: the next forward refreshes none. fp32 copies of bf16 weights cannot be written in that pass: the
+    next forward refreshes them in place. Either way sampled tokens and policy logprobs equal those of an engine built
+    on the new weights."""
+    from rollout.engine.cpu.features import ENV_BF16_VIA_FP32, cpu_features
     from rollout.engine.cpu.packed_copy import PackedCopy
-    from rollout.engine.cpu.packed_linear import PackedLinears, packing_available
+    from rollout.engine.cpu.packed_linear import PackedLinears
 
-    if not packing_available(dtype):
+    monkeypatch.setenv(ENV_BF16_VIA_FP32, via_fp32)
+    if dtype not in cpu_features().served_dtypes:
         pytest.skip(f"{dtype} linears are not packed on this CPU")
     model, new_model = tiny_model("qwen3").to(dtype), perturbed(tiny_model("qwen3"), seed=9).to(dtype)
     prompts = random_prompts([17, 40], seed=6)
@@ -103,13 +109,18 @@ def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fre
         gen.generate(prompts, n=2, sampling_params=params)  # the packed copies exist
         linears = gen.manager.engine.runner.linears
         assert isinstance(linears, PackedLinears)
-        calls = {"refresh": 0, "load": 0}
+        assert {entry.packed.dtype for entry in linears._packs.values()} == {
+            torch.float32 if via_fp32 == "1" else dtype}
+        calls = {"refresh": 0, "load": 0}  # attempts
+        written = {"refresh": 0, "load": 0}  # attempts that wrote the copy
         refresh, load = PackedCopy.refresh_in_place, PackedCopy.load_in_place
 
         def counting(name, fn):
             def wrapped(*args):
                 calls[name] += 1
-                return fn(*args)
+                result = fn(*args)
+                written[name] += bool(result)
+                return result
             return wrapped
 
         with pytest.MonkeyPatch.context() as patch:
@@ -117,7 +128,10 @@ def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fre
             patch.setattr(PackedCopy, "load_in_place", counting("load", load))
             gen.update_weights(new_model)
             after = gen.generate(prompts, n=2, sampling_params=params)
-        assert calls["load"] > 0 and calls["refresh"] == 0
+        if via_fp32 == "1":
+            assert written["load"] == 0 and written["refresh"] == calls["refresh"] == len(linears._packs)
+        else:
+            assert calls["load"] > 0 and calls["refresh"] == 0
     for got, want in zip(after.samples, expected.samples, strict=True):
         assert got.completion_ids == want.completion_ids
         assert got.policy_logprobs == want.policy_logprobs

@@ -317,10 +317,12 @@ class PackedLinears:
     def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that
         their linears of the one input `x` run as one matmul (`run`, then split the columns); None where they must
-        run apart (the conditions of `packed_for`). The first call packs the stack and drops the members' own packed
-        copies: a member called alone later runs unpacked (`unpacked_linear`)."""
+        run apart (the conditions of `packed_for`, and bf16 on fp32 copies: oneDNN blocks a wider fp32 matmul's sums
+        in another order, and compiled steps would then round to other bf16 values than eager ones). The first call
+        packs the stack and drops the members' own packed copies: a member called alone later runs unpacked
+        (`unpacked_linear`)."""
         stacked = getattr(self._active, "stacked", None)
-        if stacked is None or not self._packed_input(x, weights[0].dtype):
+        if stacked is None or x.dtype in self.via_fp32 or not self._packed_input(x, weights[0].dtype):
             return None
         key = tuple(map(id, weights))
         packed = stacked.get(key)

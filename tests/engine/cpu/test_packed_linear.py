@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, LLMEngine
-from rollout.engine.cpu import mkl_packed, packed_layout, packed_linear
+from rollout.engine.cpu import features, mkl_packed, packed_layout, packed_linear
 from rollout.engine.cpu.features import SMALL_MATMUL_ISAS, SMALL_MATMUL_ROWS, cpu_features, isa_flags
 from rollout.engine.cpu.kernel import load_kernel, small_matmul
 from rollout.engine.cpu.packed_copy import PackedCopy
@@ -111,7 +111,8 @@ def test_only_cpu_fp32_and_bf16_weights_are_packed(dtype):
 
 def test_asking_for_packing_without_onednn_is_a_clear_error(monkeypatch):
     no_onednn = dataclasses.replace(cpu_features(), onednn=False, packed_dtypes=frozenset())
-    monkeypatch.setattr(packed_linear, "cpu_features", lambda: no_onednn)
+    for module in (packed_linear, features):  # what packing_available and require_packing read
+        monkeypatch.setattr(module, "cpu_features", lambda: no_onednn)
     with pytest.raises(ValueError, match="prepack_weights=True needs a torch build with oneDNN"):
         LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8, prepack_weights=True))
     engine = LLMEngine(tiny_model("qwen3"), None, ContinuousBatchingConfig(page_size=8))
