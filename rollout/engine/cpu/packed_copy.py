@@ -10,7 +10,6 @@ import torch
 
 from rollout.engine.cpu import packed_layout
 from rollout.engine.cpu.features import PACK_BATCH_HINT
-from rollout.engine.cpu.heap import release_free_memory
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
 
 
@@ -62,8 +61,6 @@ class PackedCopy:
                 self.layout.write_flat(self.buffer, stacked_values(weights).to(self.packed.dtype))
         else:
             return False
-        if packed_dtype(self.packed) != self.dtype:
-            release_free_memory()  # the widened temporary's memory (heap.py)
         self.versions = tuple(w._version for w in weights)
         return True
 

@@ -106,6 +106,7 @@ class PackedLinears:
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
         self._pads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._widened = False  # fp32 copies were written from widened temporaries since the last release
         # the per-forward lookup: id(weight) -> packed copy, and what it was built from (epoch; module, weight,
         # version per target), so a forward checks versions instead of re-deriving each copy
         self._table: dict[int, torch.Tensor] = {}
@@ -128,6 +129,7 @@ class PackedLinears:
         if entry is not None and entry.same_tensors(weights):
             if entry.current(weights, self._epoch):
                 return entry.packed
+            self._widened |= entry.dtype in self.via_fp32
             if entry.refresh_in_place(weights):
                 entry.epoch = self._epoch
                 return entry.packed
@@ -157,10 +159,16 @@ class PackedLinears:
 
     def _new_pack(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
         if values.dtype in self.via_fp32:
-            packed = self._pack_values(values.float())
-            release_free_memory()  # the widened temporary's memory (heap.py)
-            return packed
+            self._widened = True
+            return self._pack_values(values.float())
         return self._pack_values(values)
+
+    def _release_widened(self) -> None:
+        """After a pass that packed or refreshed fp32 copies from widened temporaries: their memory back to the OS
+        (heap.py), once per pass (per weight, every temporary would fault its pages in anew)."""
+        if self._widened:
+            self._widened = False
+            release_free_memory()
 
     def _pack_values(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
         if self.mkl and values.dtype == torch.float32:
@@ -205,6 +213,7 @@ class PackedLinears:
                 weights = tuple(ref() for ref in entry.refs)
                 if all(w is not None for w in weights):
                     self._pack_of(weights, self._stacks, key)
+        self._release_widened()
 
     def _stacked_ids(self) -> set[int]:
         return {i for key in self._stacks for i in key}
@@ -373,6 +382,7 @@ class PackedLinears:
                         table[id(weight)] = self._packed(weight)
                     checked.append((module, weight, weight._version))
         self._table, self._checked = table, (self._epoch, checked)
+        self._release_widened()
 
     def _end(self) -> None:
         self._active.table = self._active.stacked = None
