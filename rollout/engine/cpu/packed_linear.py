@@ -55,6 +55,9 @@ from rollout.engine.cpu.packed_copy import PackedCopy, packed_dtype, stacked_val
 from rollout.engine.cpu.row_buckets import PACKED_MAX_ROWS, padded_rows
 from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
 
+# A widened temporary above this many bytes comes from its own mmap (glibc's largest mmap threshold), not the heap
+LARGE_TEMPORARY = 32 << 20
+
 
 def _linear_pointwise(*args):
     """oneDNN's packed matmul; looked up on first use (a torch build without oneDNN never calls it)."""
@@ -126,13 +129,15 @@ class PackedLinears:
         """The current packed copy of `weights` (stacked when several) kept in `store[key]`: reused, refreshed in
         place, or packed anew."""
         entry = store.get(key)
-        if entry is not None and entry.same_tensors(weights):
-            if entry.current(weights, self._epoch):
-                return entry.packed
-            self._widened |= entry.dtype in self.via_fp32
-            if entry.refresh_in_place(weights):
-                entry.epoch = self._epoch
-                return entry.packed
+        if entry is not None and entry.current(weights, self._epoch) and entry.same_tensors(weights):
+            return entry.packed
+        if weights[0].dtype in self.via_fp32:  # written from a widened temporary
+            if sum(w.numel() for w in weights) * 4 > LARGE_TEMPORARY:
+                self._release_widened()  # the smaller ones' memory out before this one (a lower peak)
+            self._widened = True
+        if entry is not None and entry.same_tensors(weights) and entry.refresh_in_place(weights):
+            entry.epoch = self._epoch
+            return entry.packed
         packed = self._new_pack(stacked_values(weights))
         refs = tuple(weakref.ref(w, lambda _: store.pop(key, None)) for w in weights)  # a freed weight frees it
         store[key] = PackedCopy(refs, tuple(w.data_ptr() for w in weights), tuple(tuple(w.shape) for w in weights),
@@ -158,14 +163,11 @@ class PackedLinears:
         self._overrides = self._checked = None
 
     def _new_pack(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
-        if values.dtype in self.via_fp32:
-            self._widened = True
-            return self._pack_values(values.float())
-        return self._pack_values(values)
+        return self._pack_values(values.float() if values.dtype in self.via_fp32 else values)
 
     def _release_widened(self) -> None:
-        """After a pass that packed or refreshed fp32 copies from widened temporaries: their memory back to the OS
-        (heap.py), once per pass (per weight, every temporary would fault its pages in anew)."""
+        """After a pass that packed or refreshed fp32 copies from widened temporaries, and before a large one: their
+        memory back to the OS (heap.py); not after each (every temporary would then fault its pages in anew)."""
         if self._widened:
             self._widened = False
             release_free_memory()
