@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -49,15 +50,37 @@ Linear = Callable[[torch.Tensor, torch.Tensor, None], torch.Tensor]  # (x, weigh
 
 
 @dataclass(frozen=True)
-class LinearTimings:
-    """Best seconds per call: {backend: {rows: seconds}}; backends "f_linear", "onednn" and, where they work, "mkl"
-    (MKL's packed copies) and "small" (the small-rows kernel, at those of SMALL_KERNEL_ROWS its rule leaves open)."""
+class _Timings:
+    """Best seconds per call of the linears of one weight dtype (`DTYPE`): {backend: {rows: seconds}}."""
 
     seconds: dict[str, dict[int, float]]
+    DTYPE: ClassVar[str] = ""
 
     def faster(self, challenger: str, incumbent: str, rows: tuple[int, ...]) -> bool:
         """Whether `challenger` wins by the margin at every one of `rows`."""
         return all(self.seconds[challenger][r] <= MARGIN * self.seconds[incumbent][r] for r in rows)
+
+    def _wins_up_to(self, challenger: str, incumbent: str) -> int:
+        """The most of SMALL_ROWS up to which `challenger` beats `incumbent` at every row count, 0 if it never does."""
+        best = 0
+        for rows in SMALL_ROWS:
+            if not self.faster(challenger, incumbent, (rows,)):
+                break
+            best = rows
+        return best
+
+    def describe(self) -> str:
+        cells = [f"{name} " + "/".join(f"{rows}:{s * 1e6:.0f}" for rows, s in sorted(by_rows.items()))
+                 for name, by_rows in self.seconds.items()]
+        return f"µs per {PROBE_WEIGHTS} {PROBE_OUT}x{PROBE_IN} {self.DTYPE} linears by rows: " + ", ".join(cells)
+
+
+@dataclass(frozen=True)
+class LinearTimings(_Timings):
+    """Best seconds per call of fp32 linears; backends "f_linear", "onednn" and, where they work, "mkl" (MKL's
+    packed copies) and "small" (the small-rows kernel, at those of SMALL_KERNEL_ROWS its rule leaves open)."""
+
+    DTYPE: ClassVar[str] = "fp32"
 
     def mkl_wins(self) -> bool:
         return "mkl" in self.seconds and self.faster("mkl", "onednn", BATCH_ROWS)
@@ -90,26 +113,15 @@ class LinearTimings:
 
     def unpacked_max_rows(self, mkl: bool) -> int:
         """The most rows up to which F.linear beats the packed copies chosen (`mkl`: MKL's), 0 if it never does."""
-        packed = "mkl" if mkl else "onednn"
-        best = 0
-        for rows in SMALL_ROWS:
-            if not self.faster("f_linear", packed, (rows,)):
-                break
-            best = rows
-        return best
-
-    def describe(self) -> str:
-        cells = [f"{name} " + "/".join(f"{rows}:{s * 1e6:.0f}" for rows, s in sorted(by_rows.items()))
-                 for name, by_rows in self.seconds.items()]
-        return f"µs per {PROBE_WEIGHTS} {PROBE_OUT}x{PROBE_IN} fp32 linears by rows: " + ", ".join(cells)
+        return self._wins_up_to("f_linear", "mkl" if mkl else "onednn")
 
 
 @dataclass(frozen=True)
-class Bf16Timings:
-    """Best seconds per call of bf16 linears: {backend: {rows: seconds}}; backends "f_linear" (the bf16 weights as
-    stored), "via_fp32" (fp32 copies of them) and, where oneDNN packs bf16, "onednn" (its bf16 copies)."""
+class Bf16Timings(_Timings):
+    """Best seconds per call of bf16 linears; backends "f_linear" (the bf16 weights as stored), "via_fp32" (fp32
+    copies of them) and, where oneDNN packs bf16, "onednn" (its bf16 copies)."""
 
-    seconds: dict[str, dict[int, float]]
+    DTYPE: ClassVar[str] = "bf16"
 
     def _native(self, rows: int) -> float:
         """The faster of the paths that compute in bf16 at `rows` (what serves bf16 without the fp32 copies)."""
@@ -122,17 +134,7 @@ class Bf16Timings:
     def unpacked_max_rows(self) -> int:
         """With the fp32 copies: the most rows up to which F.linear on the bf16 weights beats them, 0 if it never
         does."""
-        best = 0
-        for rows in SMALL_ROWS:
-            if not self.seconds["f_linear"][rows] <= MARGIN * self.seconds["via_fp32"][rows]:
-                break
-            best = rows
-        return best
-
-    def describe(self) -> str:
-        cells = [f"{name} " + "/".join(f"{rows}:{s * 1e6:.0f}" for rows, s in sorted(by_rows.items()))
-                 for name, by_rows in self.seconds.items()]
-        return f"µs per {PROBE_WEIGHTS} {PROBE_OUT}x{PROBE_IN} bf16 linears by rows: " + ", ".join(cells)
+        return self._wins_up_to("f_linear", "via_fp32")
 
 
 def via_fp32(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
