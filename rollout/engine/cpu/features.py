@@ -329,8 +329,8 @@ def require_packing(model: torch.nn.Module) -> None:
     missing = sorted(_linear_dtypes(model) - features.served_dtypes, key=str)
     if missing:
         dtype = missing[0]
-        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT)" \
-            if dtype == torch.bfloat16 else ""
+        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; ROLLOUT_BF16_VIA_FP32=1 " \
+            "runs bf16 linears on fp32 copies instead)" if dtype == torch.bfloat16 else ""
         raise ValueError(f"prepack_weights=True, but oneDNN cannot pack {dtype} linear weights on this CPU{need}: "
                          f"{features.packing_error(dtype)}. Leave prepack_weights None to pack only the dtypes this "
                          f"CPU supports ({dtype} linears then run on F.linear), or set it to False")
