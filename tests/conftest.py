@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from rollout.engine.cpu.features import cpu_features
+from rollout.engine.cpu.features import clear_detection
 from tests.helpers.cpu import BF16_ERROR
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -22,10 +22,10 @@ def qwen3():
 
 @pytest.fixture
 def fresh_detection():
-    """Detection runs again in the test, and again (for real) after it."""
-    cpu_features.cache_clear()
+    """Detection (and the bf16 route's timing) runs again in the test, and again (for real) after it."""
+    clear_detection()
     yield
-    cpu_features.cache_clear()
+    clear_detection()
 
 
 @pytest.fixture

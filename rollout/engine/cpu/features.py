@@ -80,11 +80,6 @@ class CpuFeatures:
     # fp32 packed copies are MKL's (mkl_packed.py) rather than oneDNN's; else why not
     mkl_packed: bool = False
     mkl_packed_reason: str = "not probed"
-    # bf16 linears run on fp32 copies of their weights (see ENV_BF16_VIA_FP32), except steps of at most
-    # `bf16_unpacked_max_rows` rows, which keep F.linear on the bf16 weights; what decided it
-    bf16_via_fp32: bool = False
-    bf16_unpacked_max_rows: int = 0
-    bf16_timings: Bf16Timings | None = None
 
     @property
     def small_matmul_kernel(self) -> bool:
@@ -111,6 +106,21 @@ class CpuFeatures:
         return dtype in self.packed_dtypes
 
     @property
+    def bf16_route(self) -> Bf16Route:
+        """How bf16 linears run here: timed on first use (only a bf16 model pays for it), then cached."""
+        return bf16_route(self.packed_dtypes)
+
+    @property
+    def bf16_via_fp32(self) -> bool:
+        """Whether bf16 linears run on fp32 copies of their weights (see ENV_BF16_VIA_FP32)."""
+        return self.bf16_route.via_fp32
+
+    @property
+    def bf16_unpacked_max_rows(self) -> int:
+        """With the fp32 copies: steps of at most this many rows keep F.linear on the bf16 weights."""
+        return self.bf16_route.unpacked_max_rows
+
+    @property
     def served_dtypes(self) -> frozenset[torch.dtype]:
         """The weight dtypes whose linears run on packed copies here: oneDNN's own, or fp32 copies of bf16 weights."""
         return self.packed_dtypes | (frozenset({torch.bfloat16}) if self.bf16_via_fp32 else frozenset())
@@ -135,13 +145,10 @@ class CpuFeatures:
             parts.append(f"the small-rows kernel at {low}-{high} rows")
         small = ", ".join([*parts, "packed otherwise"]) if parts else "packed"
         by_mkl = "yes" if self.mkl_packed else f"no ({self.mkl_packed_reason})"
-        bf16 = "on fp32 copies" + (f" (F.linear up to {self.bf16_unpacked_max_rows} rows)"
-                                   if self.bf16_unpacked_max_rows else "") if self.bf16_via_fp32 else "in bf16"
-        timings = [t.describe() for t in (self.linear_timings, self.bf16_timings) if t is not None]
         return (f"{self.machine} {self.cpu_name or 'CPU'} [{flags}]; torch CPU capability {self.torch_capability}; "
                 f"oneDNN packed linear: {packing}; fp32 packed copies by MKL: {by_mkl}; fused SiLU gate: {fused}; "
-                f"fp32 linears of small steps: {small}; bf16 linears: {bf16}; attention kernel: "
-                f"{self.kernel.describe()}" + "".join(f"; {t}" for t in timings))
+                f"fp32 linears of small steps: {small}; attention kernel: {self.kernel.describe()}"
+                + (f"; {self.linear_timings.describe()}" if self.linear_timings is not None else ""))
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -244,21 +251,45 @@ def measure_linears(packed_dtypes: frozenset[torch.dtype], build: KernelBuild) -
                         cpu_kernel.small_matmul if build.available else None, small_kernel_rows(_rule_rows(build)))
 
 
-def bf16_route(packed_dtypes: frozenset[torch.dtype]) -> tuple[bool, int, Bf16Timings | None]:
-    """(bf16 linears on fp32 copies, F.linear's rows below them, the timings that decided): $ROLLOUT_BF16_VIA_FP32
-    when set, else timed (`time_bf16`); never where fp32 weights cannot be packed."""
+@dataclass(frozen=True)
+class Bf16Route:
+    """How bf16 linears run: on fp32 copies of their weights (`via_fp32`) but for steps of at most
+    `unpacked_max_rows` rows (F.linear on the bf16 weights), or in bf16; and the timings that decided (None: not
+    timed)."""
+
+    via_fp32: bool
+    unpacked_max_rows: int = 0
+    timings: Bf16Timings | None = None
+
+    def describe(self) -> str:
+        route = "in bf16" if not self.via_fp32 else "on fp32 copies" + (
+            f" (F.linear up to {self.unpacked_max_rows} rows)" if self.unpacked_max_rows else "")
+        return route + (f"; {self.timings.describe()}" if self.timings is not None else "")
+
+
+def bf16_route(packed_dtypes: frozenset[torch.dtype]) -> Bf16Route:
+    """The bf16 route for this CPU, whose oneDNN packs `packed_dtypes`: $ROLLOUT_BF16_VIA_FP32 when set, else timed
+    (`time_bf16`) once per process and setting, and logged; never the fp32 copies where fp32 cannot be packed."""
     value = os.environ.get(ENV_BF16_VIA_FP32, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{ENV_BF16_VIA_FP32}={value!r}: expected 0 (bf16 linears compute in bf16), 1 (on fp32 "
                          "copies of the weights wherever fp32 is packed) or unset (where those measure faster)")
-    if torch.float32 not in packed_dtypes or value == "0":
-        return False, 0, None
-    timings = time_bf16(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
-                        torch.bfloat16 in packed_dtypes)
-    if value == "1":
-        return True, 0, timings
-    wins = timings.via_fp32_wins()
-    return wins, timings.unpacked_max_rows() if wins else 0, timings
+    return _bf16_route(packed_dtypes, value)
+
+
+@functools.lru_cache(maxsize=8)
+def _bf16_route(packed_dtypes: frozenset[torch.dtype], setting: str) -> Bf16Route:
+    if torch.float32 not in packed_dtypes or setting == "0":
+        route = Bf16Route(False)
+    elif setting == "1":
+        route = Bf16Route(True)
+    else:
+        timings = time_bf16(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
+                            torch.bfloat16 in packed_dtypes)
+        wins = timings.via_fp32_wins()
+        route = Bf16Route(wins, timings.unpacked_max_rows() if wins else 0, timings)
+    logger.info("bf16 linears: %s", route.describe())
+    return route
 
 
 def _rule_rows(build: KernelBuild) -> tuple[int, int] | None:
@@ -292,7 +323,6 @@ def detect() -> CpuFeatures:
     timings = measure_linears(packed, build)
     mkl_reason = mkl_packed_reason(packed, timings)
     silu_gate = frozenset(d for d in SILU_GATE_DTYPES if d in packed and not probe_silu_gate(d))
-    bf16_via_fp32, bf16_rows, bf16_timings = bf16_route(packed)
     return CpuFeatures(
         machine=platform.machine(), cpu_name=_cpu_name(), isa=isa_flags(),
         torch_capability=torch.backends.cpu.get_cpu_capability(), onednn=onednn,
@@ -300,8 +330,13 @@ def detect() -> CpuFeatures:
         packed_dtypes=packed, packing_errors=tuple((name, why) for name, why in errors.items() if why),
         silu_gate_dtypes=silu_gate, unpacked_max_rows=unpacked_max_rows(timings, not mkl_reason),
         linear_timings=timings, kernel=build, mkl_packed=not mkl_reason, mkl_packed_reason=mkl_reason,
-        small_matmul_rows=small_matmul_rows(timings, build, not mkl_reason), bf16_via_fp32=bf16_via_fp32,
-        bf16_unpacked_max_rows=bf16_rows, bf16_timings=bf16_timings)
+        small_matmul_rows=small_matmul_rows(timings, build, not mkl_reason))
+
+
+def clear_detection() -> None:
+    """Forget what was detected and timed (the next use detects again): for tests that change what the CPU reports."""
+    cpu_features.cache_clear()
+    _bf16_route.cache_clear()
 
 
 @functools.lru_cache(maxsize=1)
@@ -312,7 +347,7 @@ def cpu_features() -> CpuFeatures:
     return features
 
 
-def _linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+def linear_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
     """The PACKED_DTYPES among the CPU weights of the plain nn.Linears that PackedLinears would serve."""
     return {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)
             and type(m).forward is torch.nn.Linear.forward and m.weight.device.type == "cpu"
@@ -326,7 +361,8 @@ def require_packing(model: torch.nn.Module) -> None:
     if not features.onednn:
         raise ValueError("prepack_weights=True needs a torch build with oneDNN (torch.backends.mkldnn); "
                          "leave it None to use packing only where it is available")
-    missing = sorted(_linear_dtypes(model) - features.served_dtypes, key=str)
+    missing = sorted((d for d in linear_dtypes(model)  # served_dtypes times the bf16 route: only when needed
+                      if d not in features.packed_dtypes and d not in features.served_dtypes), key=str)
     if missing:
         dtype = missing[0]
         need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; ROLLOUT_BF16_VIA_FP32=1 " \

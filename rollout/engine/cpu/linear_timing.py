@@ -45,6 +45,8 @@ BATCH_ROWS = (8, 32)  # where the packed copies are compared
 SMALL_KERNEL_ROWS = (1, 2, 4, 8)  # where the small-rows kernel may be timed: those outside its rule's rows
 REPEATS = 5  # best of, per backend and row count (the backends alternate, so drift hits all alike)
 MARGIN = 0.9  # a challenger must take at most this share of the incumbent's time
+# bf16 timings: fewer rounds, as emulated bf16 (no bf16 dot products) is slow, and the gaps it decides on are wide
+BF16_REPEATS = 3
 
 Linear = Callable[[torch.Tensor, torch.Tensor, None], torch.Tensor]  # (x, weight as stored, no bias) -> x @ weight.T
 
@@ -142,9 +144,9 @@ def via_fp32(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").to(x.dtype)
 
 
-def _best_of(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+def _best_of(calls: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
     best = dict.fromkeys(calls, float("inf"))
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for name, call in calls.items():
             start = time.perf_counter()
             call()
@@ -192,14 +194,14 @@ def time_bf16(onednn_pack: Callable[[torch.Tensor], torch.Tensor], bf16_packs: b
     backends: dict[str, Callable[[torch.Tensor], list]] = {
         "f_linear": lambda xs: [F.linear(xs, w) for w in weights],
         "via_fp32": _over([onednn_pack(w.float()) for w in weights], via_fp32)}
-    if bf16_packs:
+    if bf16_packs:  # only the batch rows decide between bf16 arithmetic and the copies
         backends["onednn"] = _over([onednn_pack(w) for w in weights],
                                    lambda xs, p: torch.ops.mkldnn._linear_pointwise(xs, p, None, "none", [], ""))
-    return Bf16Timings(_timed(backends, x, (*SMALL_ROWS, *BATCH_ROWS)))
+    return Bf16Timings(_timed(backends, x, (*SMALL_ROWS, *BATCH_ROWS), {"onednn": BATCH_ROWS}, BF16_REPEATS))
 
 
 def _timed(backends: dict[str, Callable[[torch.Tensor], list]], x: torch.Tensor, rows_timed: tuple[int, ...],
-           limited: dict[str, tuple[int, ...]] | None = None) -> dict[str, dict[int, float]]:
+           limited: dict[str, tuple[int, ...]] | None = None, repeats: int = REPEATS) -> dict[str, dict[int, float]]:
     """Best seconds per call of each backend on the first rows of `x`, per row count (the backends in `limited` only
     at the rows it gives them), the backends alternating."""
     limited = limited or {}
@@ -210,7 +212,7 @@ def _timed(backends: dict[str, Callable[[torch.Tensor], list]], x: torch.Tensor,
             calls = {name: _bound(run, xs) for name, run in backends.items() if rows in limited.get(name, (rows,))}
             for call in calls.values():
                 call()  # first calls build kernels
-            for name, s in _best_of(calls).items():
+            for name, s in _best_of(calls, repeats).items():
                 seconds[name][rows] = s
     return seconds
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu import mkl_packed
-from rollout.engine.cpu.features import PACK_BATCH_HINT, PACKED_DTYPES, cpu_features, unpacked_max_rows
+from rollout.engine.cpu.features import PACK_BATCH_HINT, PACKED_DTYPES, cpu_features, linear_dtypes, unpacked_max_rows
 from rollout.engine.cpu.heap import release_free_memory
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
 from rollout.engine.cpu.packed_copy import PackedCopy, packed_dtype, stacked_values
@@ -94,11 +94,11 @@ class PackedLinears:
                  mkl: bool | None = None, bf16_via_fp32: bool | None = None) -> None:
         self.model = model
         features = cpu_features()
-        # bf16 weights packed as fp32 copies (None: where cpu_features timed those faster; needs fp32 packing)
-        self.via_fp32 = frozenset({torch.bfloat16}) if (
-            features.bf16_via_fp32 if bf16_via_fp32 is None else bf16_via_fp32) and features.packs(torch.float32) \
-            else frozenset()
-        self.bf16_unpacked_max_rows = features.bf16_unpacked_max_rows if bf16_via_fp32 is None else 0
+        # bf16 weights packed as fp32 copies (None: where timed faster; timed only for a model with bf16 linears)
+        self.bf16_unpacked_max_rows = 0
+        if bf16_via_fp32 is None and torch.bfloat16 in linear_dtypes(model) & (dtypes or {torch.bfloat16}):
+            bf16_via_fp32, self.bf16_unpacked_max_rows = features.bf16_via_fp32, features.bf16_unpacked_max_rows
+        self.via_fp32 = frozenset({torch.bfloat16}) if bf16_via_fp32 and features.packs(torch.float32) else frozenset()
         # the weight dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (features.packed_dtypes | self.via_fp32) & (
             frozenset(PACKED_DTYPES) if dtypes is None else dtypes)

@@ -140,7 +140,7 @@ def test_bf16_route_switch(fresh_detection, monkeypatch, value):
     monkeypatch.setenv(ENV_BF16_VIA_FP32, value)
     if value == "yes":
         with pytest.raises(ValueError, match=r"ROLLOUT_BF16_VIA_FP32='yes': expected 0 .* 1 .* or unset"):
-            cpu_features()
+            assert cpu_features().bf16_via_fp32 is None  # raises first: the route is decided on first use
         return
     features = cpu_features()
     fp32_packs = features.packs(torch.float32)
@@ -186,7 +186,7 @@ def test_describe_names_every_fallback_and_why():
         "x86_64 AMD EPYC 7702 [sse4_2 avx2 fma3]; torch CPU capability AVX2; oneDNN packed linear: float32 yes, "
         f"bfloat16 no ({BF16_ERROR}) [torch's bf16 device check agrees]; fp32 packed copies by MKL: no (measured no "
         "faster than oneDNN's copies here); fused SiLU gate: float32; fp32 linears of small steps: packed; "
-        "bf16 linears: in bf16; attention kernel: -march=native avx2, single-threaded (no OpenMP)")
+        "attention kernel: -march=native avx2, single-threaded (no OpenMP)")
     intel = CpuFeatures(
         machine="x86_64", cpu_name="Intel Xeon", isa=frozenset({"avx512_f"}), torch_capability="AVX512", onednn=True,
         onednn_bf16_device=True, packed_dtypes=frozenset({torch.float32, torch.bfloat16}),
@@ -200,8 +200,8 @@ def test_describe_names_every_fallback_and_why():
                        kernel=KernelBuild(False, reason="no C compiler found"))
     assert bare.describe() == ("aarch64 CPU [none of interest]; torch CPU capability DEFAULT; oneDNN packed linear: "
                                "unavailable (torch built without oneDNN); fp32 packed copies by MKL: no (not probed); "
-                               "fused SiLU gate: no; fp32 linears of small steps: packed; bf16 linears: in bf16; "
-                               "attention kernel: unavailable (no C compiler found)")
+                               "fused SiLU gate: no; fp32 linears of small steps: packed; attention kernel: "
+                               "unavailable (no C compiler found)")
 
 
 def timings(f_linear, onednn, mkl=None):
