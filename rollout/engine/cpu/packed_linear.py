@@ -253,7 +253,7 @@ class PackedLinears:
             bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T + bias` on the packed copy of W (from `packed_for`); a bf16 `x` on an fp32 copy is widened, and
         the result rounded back to bf16 (as a bf16 matmul rounds its fp32 sums)."""
-        if x.dtype != packed_dtype(packed):
+        if self.via_fp32 and x.dtype != packed_dtype(packed):  # (an fp32-only engine skips the check)
             wide = self.run(x.float(), packed, None if bias is None else bias.float())
             return wide.to(x.dtype)
         if isinstance(packed, MklPackedWeight):
