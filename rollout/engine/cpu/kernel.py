@@ -184,7 +184,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.rollout_transpose_blocks
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
-                   + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
+                   + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int])
     fn = lib.rollout_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -361,16 +361,17 @@ def all_finite(values: torch.Tensor) -> bool | None:
 def transpose_blocks(src: torch.Tensor, dst: torch.Tensor, offset: int, blocks: int, group: int, block_stride: int,
                      column_stride: int, plain: torch.Tensor | None = None) -> None:
     """Write `blocks` groups of `group` rows of `src` (2-D, 32- or 16-bit elements, rows contiguous), each stored
-    column by column, into the flat buffer `dst` (elements of the same width) from element `offset` on
-    (csrc/weight_sync.c): element (r, c) of group b goes to `offset + b * block_stride + c * column_stride + r`.
-    `plain` (2-D like `src`, rows contiguous): also copy those rows of `src` there in the same pass. Bounds are checked
-    here, not in C."""
+    column by column, into the flat buffer `dst` (elements of the same width, or fp32 for a bf16 `src`: widened) from
+    element `offset` on (csrc/weight_sync.c): element (r, c) of group b goes to `offset + b * block_stride + c *
+    column_stride + r`. `plain` (2-D like `src`, rows contiguous): also copy those rows of `src` there in the same pass.
+    Bounds are checked here, not in C."""
     rows, cols = src.shape
-    width = src.element_size()
-    if width not in (2, 4) or dst.element_size() != width or src.stride(1) != 1 or dst.dim() != 1 \
+    width, dst_width = src.element_size(), dst.element_size()
+    widened = src.dtype == torch.bfloat16 and dst.dtype == torch.float32
+    if width not in (2, 4) or (dst_width != width and not widened) or src.stride(1) != 1 or dst.dim() != 1 \
             or dst.stride(0) != 1 or rows < blocks * group:
         raise ValueError("transpose_blocks takes 32- or 16-bit elements: a 2-D source with contiguous rows, a flat "
-                         "buffer of the same element width")
+                         "buffer of the same element width (or fp32 for a bf16 source)")
     if plain is not None and (plain.element_size() != width or plain.dim() != 2 or plain.stride(1) != 1
                               or plain.shape[1] != cols or plain.shape[0] < blocks * group):
         raise ValueError(f"transpose_blocks copies rows into a 2-D plain tensor of {8 * width}-bit elements with "
@@ -378,10 +379,11 @@ def transpose_blocks(src: torch.Tensor, dst: torch.Tensor, offset: int, blocks: 
     last = offset + (blocks - 1) * block_stride + (cols - 1) * column_stride + group - 1
     if offset < 0 or last >= dst.numel():
         raise ValueError(f"transpose_blocks would write element {last} of a buffer of {dst.numel()}")
-    load_kernel().rollout_transpose_blocks(src.data_ptr(), src.stride(0), dst.data_ptr() + offset * width, blocks,
-                                           group, cols, block_stride, column_stride,
+    load_kernel().rollout_transpose_blocks(src.data_ptr(), src.stride(0), dst.data_ptr() + offset * dst_width,
+                                           blocks, group, cols, block_stride, column_stride,
                                            None if plain is None else plain.data_ptr(),
-                                           0 if plain is None else plain.stride(0), width, torch.get_num_threads())
+                                           0 if plain is None else plain.stride(0), width, dst_width,
+                                           torch.get_num_threads())
 
 
 def top_p_keep(probs: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor | None:

@@ -51,14 +51,14 @@ class PackedCopy:
 
     def refresh_in_place(self, weights: tuple[torch.Tensor, ...]) -> bool:
         """Write the new values of `weights` into the packed copy's own buffer, as `_reorder_linear_weight` would lay
-        them out (MKL's copies: repacked into their own buffer; fp32 copies of bf16 weights: from the values
-        widened); False, with nothing written, where no verified layout fits (the caller then repacks in full)."""
+        them out (MKL's copies: repacked into their own buffer; fp32 copies of bf16 weights: widened as they are
+        written); False, with nothing written, where no verified layout fits (the caller then repacks in full)."""
         if isinstance(self.packed, MklPackedWeight):
             with torch.no_grad():
                 self.packed.repack(stacked_values(weights).float())
         elif self._has_layout():
             with torch.no_grad():
-                self.layout.write_flat(self.buffer, stacked_values(weights).to(self.packed.dtype))
+                self.layout.write_flat(self.buffer, stacked_values(weights))
         else:
             return False
         self.versions = tuple(w._version for w in weights)
@@ -66,12 +66,12 @@ class PackedCopy:
 
     def load_in_place(self, weight: torch.Tensor, value: torch.Tensor) -> bool:
         """A weight update's copy of `value` into `weight`, with this packed copy rewritten from `value` in the same
-        pass (the new values are read once, not once for the copy and again for the refresh); False, with nothing
-        written, where it cannot: MKL's copy, a stack of several weights, no verified layout, or a `value` or weight
-        that is not contiguous of the weight's shape and dtype, or an fp32 copy of a bf16 weight (the caller then
-        copies, and the next forward refreshes). Written through `.data`: the weight's version counter stays where it
-        was."""
-        if isinstance(self.packed, MklPackedWeight) or self.packed.dtype != self.dtype or value.dtype != self.dtype \
+        pass (the new values are read once, not once for the copy and again for the refresh; an fp32 copy of a bf16
+        weight is widened in that pass); False, with nothing written, where it cannot: MKL's copy, a stack of several
+        weights, no verified layout, or a `value` or weight that is not contiguous of the weight's shape and dtype (the
+        caller then copies, and the next forward refreshes). Written through `.data`: the weight's version counter
+        stays where it was."""
+        if isinstance(self.packed, MklPackedWeight) or value.dtype != self.dtype \
                 or not self.same_tensors((weight,)) \
                 or tuple(value.shape) != self.shapes[0] or not value.is_contiguous() or not weight.is_contiguous():
             return False

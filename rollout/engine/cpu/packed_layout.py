@@ -189,20 +189,29 @@ class BlockedLayout:
         return buffer_of(packed) if self.matches(packed) else None
 
     def write_flat(self, dst: torch.Tensor, weight: torch.Tensor, wide: bool = True, shuffle: bool = True) -> None:
-        """Write `weight` into `dst`, a flat buffer of this layout (never touching its padding). `wide`/`shuffle`
+        """Write `weight` into `dst`, a flat buffer of this layout (never touching its padding); a bf16 `weight` into
+        an fp32 layout is widened on the way (the fp32 copy of a bf16 weight: no widened temporary). `wide`/`shuffle`
         False: without the faster copies (for the checks)."""
-        boxes = self.wide if wide and self.wide is not None and _can_widen(weight, self.wide) else self.boxes
-        _copy(boxes, dst, weight, shuffle and self.shuffle)
+        _copy(self._boxes_for(weight, wide), dst, weight, shuffle and self.shuffle)
 
     def write_both(self, dst: torch.Tensor, live: torch.Tensor, weight: torch.Tensor) -> None:
         """Write `weight` into the live weight `live` (a contiguous tensor of its shape and dtype) and into `dst`, a
-        flat buffer of this layout, reading `weight` once where the C transposes move it: each tile goes to both from
-        L1. The rows no transpose covers are copied to `live` after."""
+        flat buffer of this layout (widened, as in `write_flat`), reading `weight` once where the C transposes move
+        it: each tile goes to both from L1. The rows no transpose covers are copied to `live` after."""
         both = _can_widen(live, self.wide) if self.wide is not None else True
-        boxes = self.wide if both and self.wide is not None and _can_widen(weight, self.wide) else self.boxes
-        copied = _copy(boxes, dst, weight, self.shuffle, plain=live)
+        copied = _copy(self._boxes_for(weight, both), dst, weight, self.shuffle, plain=live)
         for start, stop in _gaps(copied, weight.shape[0]):
             live[start:stop].copy_(weight[start:stop])
+
+    def _boxes_for(self, weight: torch.Tensor, wide: bool) -> tuple[Box, ...]:
+        """The boxes to write `weight` along: its wide words where allowed and aligned (words of this layout's dtype:
+        never for a widened weight)."""
+        if weight.dtype != self.dtype and (weight.dtype, self.dtype) != (torch.bfloat16, torch.float32):
+            raise ValueError(f"a {self.dtype} packed layout takes {self.dtype} weights (or bf16 ones widened into "
+                             f"fp32), not {weight.dtype}")
+        if wide and self.wide is not None and weight.dtype == self.dtype and _can_widen(weight, self.wide):
+            return self.wide
+        return self.boxes
 
     def write(self, packed: torch.Tensor, weight: torch.Tensor) -> bool:
         """Write `weight` into the existing packed copy `packed` in place; False (nothing written) unless `packed` has

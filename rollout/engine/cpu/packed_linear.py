@@ -131,13 +131,13 @@ class PackedLinears:
         entry = store.get(key)
         if entry is not None and entry.current(weights, self._epoch) and entry.same_tensors(weights):
             return entry.packed
-        if weights[0].dtype in self.via_fp32:  # written from a widened temporary
-            if sum(w.numel() for w in weights) * 4 > LARGE_TEMPORARY:
-                self._release_widened()  # the smaller ones' memory out before this one (a lower peak)
-            self._widened = True
         if entry is not None and entry.same_tensors(weights) and entry.refresh_in_place(weights):
             entry.epoch = self._epoch
             return entry.packed
+        if weights[0].dtype in self.via_fp32:  # packed from a widened temporary
+            if sum(w.numel() for w in weights) * 4 > LARGE_TEMPORARY:
+                self._release_widened()  # the smaller ones' memory out before this one (a lower peak)
+            self._widened = True
         packed = self._new_pack(stacked_values(weights))
         refs = tuple(weakref.ref(w, lambda _: store.pop(key, None)) for w in weights)  # a freed weight frees it
         store[key] = PackedCopy(refs, tuple(w.data_ptr() for w in weights), tuple(tuple(w.shape) for w in weights),
@@ -166,7 +166,7 @@ class PackedLinears:
         return self._pack_values(values.float() if values.dtype in self.via_fp32 else values)
 
     def _release_widened(self) -> None:
-        """After a pass that packed or refreshed fp32 copies from widened temporaries, and before a large one: their
+        """After a pass that packed fp32 copies from widened temporaries, and before a large one: their
         memory back to the OS (heap.py); not after each (every temporary would then fault its pages in anew)."""
         if self._widened:
             self._widened = False

@@ -293,9 +293,9 @@ def _buffer_bytes(packed: torch.Tensor) -> torch.Tensor:
     return packed_layout.buffer_of(packed).view(torch.uint8).clone()
 
 
-def _fresh(layer: torch.nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fresh(layer: torch.nn.Linear, x: torch.Tensor, via_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """What a fresh PackedLinears gives for `x` with the layer's current weights, and its packed buffer's bytes."""
-    fresh = PackedLinears(layer, dtypes=frozenset({layer.weight.dtype}), mkl=False, bf16_via_fp32=False)
+    fresh = PackedLinears(layer, dtypes=frozenset({layer.weight.dtype}), mkl=False, bf16_via_fp32=via_fp32)
     with torch.inference_mode(), fresh:
         out = layer(x)
     return out, _buffer_bytes(fresh._packs[id(layer.weight)].packed)
@@ -351,14 +351,27 @@ def test_a_weight_update_writes_the_weight_and_its_packed_copy_in_one_pass(shape
     """`load` (a weight update's copy) writes the new values into the weight and its packed copy at once: the weight
     equals the value, the packed copy equals a fresh pack of it byte for byte, padding included, and the `clear` told
     it is fresh keeps the copy current (no refresh on the next forward); with or without the C transposes."""
+    _check_one_pass_load(shape, dtype, kernel, monkeypatch, via_fp32=False)
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no kernel"])
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_bf16_weight_update_writes_the_weight_and_its_fp32_copy_in_one_pass(shape, kernel, monkeypatch):
+    """The same for a bf16 weight computed on an fp32 copy: the copy is widened as it is written, equal byte for byte
+    to a fresh pack of the widened weight."""
+    _check_one_pass_load(shape, torch.bfloat16, kernel, monkeypatch, via_fp32=True)
+
+
+def _check_one_pass_load(shape: tuple[int, int], dtype: torch.dtype, kernel: bool, monkeypatch, via_fp32: bool):
     if not kernel:
         monkeypatch.setattr(packed_layout, "load_kernel", lambda: None)
     torch.manual_seed(shape[0] * 7 + shape[1])
     layer = torch.nn.Linear(shape[1], shape[0]).to(dtype)
-    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False, bf16_via_fp32=False)
+    linears = PackedLinears(layer, dtypes=frozenset({dtype}), mkl=False, bf16_via_fp32=via_fp32)
     x = torch.randn(3, 5, shape[1]).to(dtype)
     _, packed = _packed_forward(linears, layer, x)
-    if packed_layout.layout_for(shape, dtype, PACK_BATCH_HINT) is None:
+    if packed_layout.layout_for(shape, packed.dtype, PACK_BATCH_HINT) is None:
         pytest.skip("no verified layout here: updates copy, and the next forward repacks")
     value = torch.randn(shape).to(dtype)
     assert linears.load(layer.weight, value)
@@ -367,7 +380,7 @@ def test_a_weight_update_writes_the_weight_and_its_packed_copy_in_one_pass(shape
     monkeypatch.setattr(PackedCopy, "refresh_in_place", lambda *args: refreshes.append(args) or False)
     out, now = _packed_forward(linears, layer, x)
     assert torch.equal(layer.weight, value) and now is packed and not refreshes
-    expected, expected_bytes = _fresh(layer, x)
+    expected, expected_bytes = _fresh(layer, x, via_fp32)
     assert torch.equal(_buffer_bytes(now), expected_bytes) and torch.equal(out, expected)
 
 
@@ -375,8 +388,9 @@ def test_a_weight_update_writes_the_weight_and_its_packed_copy_in_one_pass(shape
 @pytest.mark.parametrize("mkl", [False, True], ids=["onednn", "mkl"])
 def test_fp32_copies_of_bf16_weights_round_each_output_and_refresh_in_place(mkl):
     """bf16 linears on fp32 copies: each output is the fp32 matmul of the widened input rounded to bf16 (what a bf16
-    matmul's fp32 sums give, to bf16 rounding); a weight update refreshes the copy in its own buffer from the widened
-    values, and `load` declines to write it in one pass (the next forward refreshes)."""
+    matmul's fp32 sums give, to bf16 rounding); a weight update refreshes the copy in its own buffer, widening the
+    new values as it writes them (byte for byte a fresh pack of the widened weight), and `load` writes oneDNN's copy
+    in the update's pass where its layout is verified (MKL's copies: declined, the next forward repacks)."""
     if mkl and not mkl_packed.available():
         pytest.skip(f"MKL's packed sgemm is unavailable here: {mkl_packed.unavailable_reason()}")
     torch.manual_seed(3)
@@ -390,13 +404,19 @@ def test_fp32_copies_of_bf16_weights_round_each_output_and_refresh_in_place(mkl)
     first, packed = _packed_forward(linears, layer, x)
     assert first.dtype == torch.bfloat16 and torch.allclose(first.float(), widened(), atol=1e-2, rtol=8e-3)
     assert torch.allclose(first.float(), F.linear(x, layer.weight, layer.bias).float(), atol=5e-2, rtol=5e-2)
-    assert not linears.load(layer.weight, torch.randn(80, 48).to(torch.bfloat16))
+    in_place = packed_layout.layout_for((80, 48), torch.float32, PACK_BATCH_HINT) is not None
+    value = torch.randn(80, 48).to(torch.bfloat16)
+    loaded = linears.load(layer.weight, value)
+    assert loaded == (in_place and not linears.mkl)  # MKL's copies: only in a model with fp32 linears too
+    assert torch.equal(layer.weight, value) == loaded  # declined: nothing written
     with torch.no_grad():
-        layer.weight.data.copy_(torch.randn(80, 48).to(torch.bfloat16))
+        layer.weight.data.copy_(torch.randn(80, 48).to(torch.bfloat16))  # and then a write the copy must follow
     linears.clear()
     out, now = _packed_forward(linears, layer, x)
-    assert (now is packed) == (mkl or packed_layout.layout_for((80, 48), torch.float32, PACK_BATCH_HINT) is not None)
+    assert (now is packed) == (linears.mkl or in_place)
     assert not torch.equal(out, first)
+    if not linears.mkl:
+        assert torch.equal(_buffer_bytes(now), _fresh(layer, x, via_fp32=True)[1])
     # to bf16 rounding of sums taken in another order: at most one bf16 step apart
     assert torch.allclose(out.float(), widened(), atol=1e-2, rtol=8e-3)
     fresh = PackedLinears(layer, dtypes=frozenset({torch.bfloat16}), mkl=mkl, bf16_via_fp32=True)

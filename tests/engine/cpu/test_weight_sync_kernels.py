@@ -103,6 +103,30 @@ def test_the_transposed_copy_writes_each_group_column_by_column_and_nothing_else
 
 
 @needs_kernel
+@pytest.mark.parametrize("blocks,group,cols,pad", [(1, 1, 1, 0), (3, 64, 40, 16), (2, 32, 17, 3), (1, 64, 1024, 64),
+                                                   (1, 197, 45, 0), (2, 8, 33, 1)])
+def test_the_widening_transposed_copy_writes_the_fp32_of_each_bf16_value(blocks, group, cols, pad):
+    """bf16 into an fp32 buffer (the fp32 copy of a bf16 weight): each element the bits torch's widening gives (NaN
+    payloads, infinities, subnormals and -0 included), padding left as it was; `plain` gets the bf16 rows as they
+    are."""
+    gen = torch.Generator().manual_seed(blocks * 1000 + cols)
+    src = torch.randint(-2**15, 2**15 - 1, (blocks * group + 3, cols), dtype=torch.int16, generator=gen)
+    column_stride, offset = group + pad, 5
+    block_stride = cols * column_stride + pad
+    size = offset + blocks * block_stride + 7
+    widened = src.view(torch.bfloat16).float().view(torch.int32)  # torch's widening: the bits in the high half
+    expected = _reference(widened, size, offset, blocks, group, block_stride, column_stride, fill=-7)
+    for plain in (None, torch.full_like(src, -3).view(torch.bfloat16)):
+        dst = torch.full((size,), -7, dtype=torch.int32).view(torch.float32)
+        transpose_blocks(src.view(torch.bfloat16), dst, offset, blocks, group, block_stride, column_stride,
+                         plain=plain)
+        assert torch.equal(dst.view(torch.int32), expected)
+        if plain is not None:
+            assert torch.equal(plain[:blocks * group].view(torch.int16), src[:blocks * group])
+            assert (plain[blocks * group:].view(torch.int16) == -3).all()
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 64, 65, 197, 256])
 def test_one_transposed_group_of_many_rows_moves_as_groups_of_64_and_the_rest(rows):
     """A whole weight stored transposed (bf16 where the CPU has no bf16 dot products) is cut into parts the kernel
@@ -129,7 +153,9 @@ def test_the_transposed_copy_refuses_what_would_write_out_of_bounds_or_misread()
     with pytest.raises(ValueError, match="would write element"):
         transpose_blocks(src, torch.zeros(64 * 16 - 1), 0, 1, 64, 64 * 16, 64)
     with pytest.raises(ValueError, match="32- or 16-bit elements"):
-        transpose_blocks(src.bfloat16(), torch.zeros(4096), 0, 1, 64, 64 * 16, 64)  # widths differ
+        transpose_blocks(src, torch.zeros(4096).bfloat16(), 0, 1, 64, 64 * 16, 64)  # widths differ: fp32 to bf16
+    with pytest.raises(ValueError, match="32- or 16-bit elements"):
+        transpose_blocks(src.half(), torch.zeros(4096), 0, 1, 64, 64 * 16, 64)  # only bf16 is widened
     with pytest.raises(ValueError, match="32- or 16-bit elements"):
         transpose_blocks(src.double(), torch.zeros(4096).double(), 0, 1, 64, 64 * 16, 64)
     with pytest.raises(ValueError, match="32- or 16-bit elements"):
