@@ -17,6 +17,8 @@
 #
 # Needs qemu-user (Debian/Ubuntu: apt-get install qemu-user; qemu >= 7.2 for AVX2 emulation) and the project's
 # virtualenv at .venv (or PYTHON=/path/to/python). Slow: importing torch takes ~7 s, a test module about a minute.
+# The linear backends are timed on small weights there (ROLLOUT_LINEAR_PROBE_SHAPE, default 128x64): a test that
+# compares those clocks with a real layer's expectations says nothing under emulation.
 # Under qemu-user /proc/cpuinfo still shows the host CPU; torch (and the engine's detection) read CPUID instead.
 # Kernel builds go to a fresh temporary ROLLOUT_KERNEL_CACHE, and torch.compile's to a fresh TORCHINDUCTOR_CACHE_DIR,
 # both removed at the end; inductor's C++ is built for the same -march as the kernel (TORCHINDUCTOR_CPP_MARCH): its
@@ -63,8 +65,10 @@ echo "qemu -cpu $cpu_model: torch CPU capability $capability; ROLLOUT_KERNEL_MAR
 
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
+# the linear backends' probe on small weights: emulated clocks decide nothing real, and at full size each fresh
+# detection spent minutes timing (tests re-detect often); the choices they feed still run
 export ROLLOUT_KERNEL_CACHE=$cache TORCHINDUCTOR_CACHE_DIR=$cache/inductor ROLLOUT_KERNEL_MARCH=$march \
-    TORCHINDUCTOR_CPP_MARCH=$march \
+    TORCHINDUCTOR_CPP_MARCH=$march ROLLOUT_LINEAR_PROBE_SHAPE=${ROLLOUT_LINEAR_PROBE_SHAPE:-128x64} \
     WANDB_MODE=offline HF_HUB_OFFLINE=1
 emulated -c "from rollout.engine.cpu.features import cpu_features; print(cpu_features().describe())" >&2
 start=$SECONDS

@@ -121,6 +121,11 @@ class CpuFeatures:
         return self.bf16_route.unpacked_max_rows
 
     @property
+    def bf16_kernel_max_rows(self) -> int:
+        """bf16 linears of steps of at most this many rows run the small-rows kernel on the bf16 weights (0: none)."""
+        return self.bf16_route.kernel_max_rows
+
+    @property
     def served_dtypes(self) -> frozenset[torch.dtype]:
         """The weight dtypes whose linears run on packed copies here: oneDNN's own, or fp32 copies of bf16 weights."""
         return self.packed_dtypes | (frozenset({torch.bfloat16}) if self.bf16_via_fp32 else frozenset())
@@ -254,16 +259,21 @@ def measure_linears(packed_dtypes: frozenset[torch.dtype], build: KernelBuild) -
 @dataclass(frozen=True)
 class Bf16Route:
     """How bf16 linears run: on fp32 copies of their weights (`via_fp32`) but for steps of at most
-    `unpacked_max_rows` rows (F.linear on the bf16 weights), or in bf16; and the timings that decided (None: not
-    timed)."""
+    `unpacked_max_rows` rows (F.linear on the bf16 weights), or in bf16; steps of at most `kernel_max_rows` rows on
+    the small-rows kernel over the bf16 weights as stored (widened in registers); and the timings that decided (None:
+    not timed)."""
 
     via_fp32: bool
     unpacked_max_rows: int = 0
     timings: Bf16Timings | None = None
+    kernel_max_rows: int = 0
 
     def describe(self) -> str:
-        route = "in bf16" if not self.via_fp32 else "on fp32 copies" + (
-            f" (F.linear up to {self.unpacked_max_rows} rows)" if self.unpacked_max_rows else "")
+        route = "in bf16" if not self.via_fp32 else "on fp32 copies"
+        small = [f"the small-rows kernel up to {self.kernel_max_rows} rows"] if self.kernel_max_rows else []
+        if self.unpacked_max_rows > self.kernel_max_rows:
+            small.append(f"F.linear up to {self.unpacked_max_rows} rows")
+        route += f" ({', '.join(small)})" if small else ""
         return route + (f"; {self.timings.describe()}" if self.timings is not None else "")
 
 
@@ -285,9 +295,10 @@ def _bf16_route(packed_dtypes: frozenset[torch.dtype], setting: str) -> Bf16Rout
         route = Bf16Route(True)
     else:
         timings = time_bf16(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
-                            torch.bfloat16 in packed_dtypes)
+                            torch.bfloat16 in packed_dtypes,
+                            cpu_kernel.small_matmul if cpu_kernel.load_kernel() is not None else None)
         wins = timings.via_fp32_wins()
-        route = Bf16Route(wins, timings.unpacked_max_rows() if wins else 0, timings)
+        route = Bf16Route(wins, timings.unpacked_max_rows() if wins else 0, timings, timings.kernel_max_rows(wins))
     logger.info("bf16 linears: %s", route.describe())
     return route
 

@@ -174,10 +174,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
                    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
-    fn = lib.rollout_small_matmul
-    fn.restype = None
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                   + [ctypes.c_int])
+    for fn in (lib.rollout_small_matmul, lib.rollout_small_matmul_bf16w):
+        fn.restype = None
+        fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+                       + [ctypes.c_int])
     fn = lib.rollout_any_nonfinite
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
@@ -288,19 +288,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for fp32 CPU tensors of a few rows (csrc/small_matmul.c), with the weight read as
-    stored (`[N, K]`, contiguous); no autograd. For the engine's forward only, at the rows cpu_features chose
-    (`small_matmul_rows`)."""
+    """`F.linear(x, weight, bias)` for CPU tensors of a few rows (csrc/small_matmul.c), with the weight read as stored
+    (`[N, K]`, contiguous): fp32, or bf16 widened in registers (the input widened to fp32, the fp32 sums rounded to
+    x's dtype, as a bf16 matmul rounds them); no autograd. For the engine's forward only, at the rows cpu_features
+    chose (`small_matmul_rows`, `Bf16Route.small_rows`)."""
     lib = load_kernel()
     flat = x.reshape(-1, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    if flat.dtype != torch.float32 or flat.stride(-1) != 1:
+        flat = flat.float().contiguous()
     rows, width = flat.shape
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-    lib.rollout_small_matmul(flat.data_ptr(), flat.stride(0), weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), rows,
-                             weight.shape[0], width, torch.get_num_threads())
-    return out.view(*x.shape[:-1], weight.shape[0])
+    run = lib.rollout_small_matmul_bf16w if weight.dtype == torch.bfloat16 else lib.rollout_small_matmul
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    run(flat.data_ptr(), flat.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        out.stride(0), rows, weight.shape[0], width, torch.get_num_threads())
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,10 +17,14 @@ batch's, and the clocks choose:
   there (`unpacked_max_rows`).
 
 bf16 weights are timed the same way (`time_bf16`): oneDNN's bf16 copies where it packs bf16, F.linear on the weights as
-stored, and fp32 copies of the bf16 weights (the input widened to fp32, the output rounded back to bf16). On a CPU
-without bf16 dot products (AVX512_BF16, AMX) oneDNN emulates bf16 arithmetic and the fp32 copies win from a few rows
-up; at a row or two the bf16 weights, half the bytes to stream, stay faster (benchmarks/RESULTS.md, "bf16 on fp32
-copies").
+stored, fp32 copies of the bf16 weights (the input widened to fp32, the output rounded back to bf16) and, where the C
+library is built, the small-rows kernel on the bf16 weights as stored (widened in registers). On a CPU without bf16 dot
+products (AVX512_BF16, AMX) oneDNN emulates bf16 arithmetic and the fp32 copies win from a few rows up; at a few rows
+the bf16 weights, half the bytes to stream, are faster through the kernel (benchmarks/RESULTS.md, "bf16 on fp32
+copies"), which then takes the rows from 1 up where its summed times win, as an AVX2 build's fp32 kernel does.
+
+ROLLOUT_LINEAR_PROBE_SHAPE=OUTxIN times smaller weights: for an emulated CPU (benchmarks/emulated_cpu_check.sh), where
+the clocks mean nothing and the full-size probe took minutes, but the choices they feed must still run.
 
 A margin keeps a near-tie on the incumbent (the packed copies; oneDNN's over MKL's), so noise does not flip a choice
 between runs. Every backend gives F.linear's values to fp32 rounding (the correctness probes in features.py and
@@ -29,6 +33,7 @@ mkl_packed.py), so the choice moves speed, not results. ROLLOUT_MKL_PACKED and R
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 # A small LM's layer: 4 weights of 8 MiB fp32 per backend, one call running through all of them, so the weights of
 # the backends timed (over 96 MiB together) stream from memory rather than from a last-level cache.
 PROBE_OUT, PROBE_IN, PROBE_WEIGHTS = 2048, 1024, 4
+ENV_PROBE_SHAPE = "ROLLOUT_LINEAR_PROBE_SHAPE"
 SMALL_ROWS = (1, 2, 4)  # candidates for the rows below the packed copies
 BATCH_ROWS = (8, 32)  # where the packed copies are compared
 SMALL_KERNEL_ROWS = (1, 2, 4, 8)  # where the small-rows kernel may be timed: those outside its rule's rows
@@ -74,7 +80,8 @@ class _Timings:
     def describe(self) -> str:
         cells = [f"{name} " + "/".join(f"{rows}:{s * 1e6:.0f}" for rows, s in sorted(by_rows.items()))
                  for name, by_rows in self.seconds.items()]
-        return f"µs per {PROBE_WEIGHTS} {PROBE_OUT}x{PROBE_IN} {self.DTYPE} linears by rows: " + ", ".join(cells)
+        out, width = probe_shape()
+        return f"µs per {PROBE_WEIGHTS} {out}x{width} {self.DTYPE} linears by rows: " + ", ".join(cells)
 
 
 @dataclass(frozen=True)
@@ -121,13 +128,14 @@ class LinearTimings(_Timings):
 @dataclass(frozen=True)
 class Bf16Timings(_Timings):
     """Best seconds per call of bf16 linears; backends "f_linear" (the bf16 weights as stored), "via_fp32" (fp32
-    copies of them) and, where oneDNN packs bf16, "onednn" (its bf16 copies)."""
+    copies of them) and, where oneDNN packs bf16, "onednn" (its bf16 copies); where built, "small" (the small-rows
+    kernel on the bf16 weights, at SMALL_KERNEL_ROWS)."""
 
     DTYPE: ClassVar[str] = "bf16"
 
     def _native(self, rows: int) -> float:
         """The faster of the paths that compute in bf16 at `rows` (what serves bf16 without the fp32 copies)."""
-        return min(by_rows[rows] for name, by_rows in self.seconds.items() if name != "via_fp32")
+        return min(self.seconds[name][rows] for name in ("f_linear", "onednn") if name in self.seconds)
 
     def via_fp32_wins(self) -> bool:
         """Whether the fp32 copies beat bf16 arithmetic by the margin at every one of BATCH_ROWS."""
@@ -138,10 +146,49 @@ class Bf16Timings(_Timings):
         does."""
         return self._wins_up_to("f_linear", "via_fp32")
 
+    def kernel_max_rows(self, via_fp32: bool) -> int:
+        """The small-rows kernel's rows, from 1 up to the most timed rows at which its time summed over the timed row
+        counts so far beats, by the margin, the summed times of what serves those rows without it: the fp32 copies or
+        F.linear, whichever is faster (`via_fp32`), else oneDNN's bf16 copies (F.linear where bf16 is not packed); 0
+        for none."""
+        if "small" not in self.seconds:
+            return 0
+        kernel = others = 0.0
+        high = 0
+        for rows in sorted(self.seconds["small"]):
+            kernel += self.seconds["small"][rows]
+            if via_fp32:
+                others += min(self.seconds["via_fp32"][rows], self.seconds["f_linear"][rows])
+            else:
+                others += self.seconds["onednn" if "onednn" in self.seconds else "f_linear"][rows]
+            if kernel <= MARGIN * others:
+                high = rows
+        return high
+
 
 def via_fp32(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """A bf16 linear on oneDNN's fp32 copy of the weight: the input widened, the output rounded back to its dtype."""
     return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").to(x.dtype)
+
+
+def probe_shape() -> tuple[int, int]:
+    """(out, in) of the probe's weights: PROBE_OUT x PROBE_IN, or $ROLLOUT_LINEAR_PROBE_SHAPE."""
+    value = os.environ.get(ENV_PROBE_SHAPE, "").strip()
+    if not value:
+        return PROBE_OUT, PROBE_IN
+    parts = value.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{ENV_PROBE_SHAPE}={value!r}: expected OUTxIN, two positive sizes such as 256x128 (unset: "
+                         f"{PROBE_OUT}x{PROBE_IN}, weights that stream from memory as a real layer's do)")
+    return int(parts[0]), int(parts[1])
+
+
+def _probe_weights(dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """PROBE_WEIGHTS random weights of the probe's shape and an input of max(BATCH_ROWS) rows, in `dtype`."""
+    out, width = probe_shape()
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(out, width, generator=g) / width ** 0.5).to(dtype) for _ in range(PROBE_WEIGHTS)]
+    return weights, torch.randn(max(BATCH_ROWS), width, generator=g).to(dtype)
 
 
 def _best_of(calls: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
@@ -167,9 +214,7 @@ def time_linears(onednn_pack: Callable[[torch.Tensor], torch.Tensor],
     """Time F.linear, oneDNN's packed copies (`onednn_pack` makes one), and where given MKL's packed copies
     (`mkl_pack`: mkl_packed.MklPackedWeight), at SMALL_ROWS and BATCH_ROWS rows; where given, the small-rows kernel
     at `small_rows` (see small_kernel_rows)."""
-    g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(PROBE_OUT, PROBE_IN, generator=g) / PROBE_IN ** 0.5 for _ in range(PROBE_WEIGHTS)]
-    x = torch.randn(max(BATCH_ROWS), PROBE_IN, generator=g)
+    weights, x = _probe_weights(torch.float32)
     backends: dict[str, Callable[[torch.Tensor], list]] = {
         "f_linear": lambda xs: [F.linear(xs, w) for w in weights],
         "onednn": _over([onednn_pack(w) for w in weights],
@@ -184,20 +229,25 @@ def time_linears(onednn_pack: Callable[[torch.Tensor], torch.Tensor],
     return LinearTimings(seconds)
 
 
-def time_bf16(onednn_pack: Callable[[torch.Tensor], torch.Tensor], bf16_packs: bool) -> Bf16Timings:
+def time_bf16(onednn_pack: Callable[[torch.Tensor], torch.Tensor], bf16_packs: bool,
+              small_matmul: Linear | None = None) -> Bf16Timings:
     """Time bf16 linears at SMALL_ROWS and BATCH_ROWS rows: F.linear on the bf16 weights, `onednn_pack`'s copies of
-    their fp32 values (`via_fp32`) and, where oneDNN packs bf16 (`bf16_packs`), its bf16 copies."""
-    g = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(PROBE_OUT, PROBE_IN, generator=g) / PROBE_IN ** 0.5).bfloat16()
-               for _ in range(PROBE_WEIGHTS)]
-    x = torch.randn(max(BATCH_ROWS), PROBE_IN, generator=g).bfloat16()
+    their fp32 values (`via_fp32`) and, where oneDNN packs bf16 (`bf16_packs`), its bf16 copies; where given, the
+    small-rows kernel on the bf16 weights at SMALL_KERNEL_ROWS."""
+    weights, x = _probe_weights(torch.bfloat16)
     backends: dict[str, Callable[[torch.Tensor], list]] = {
         "f_linear": lambda xs: [F.linear(xs, w) for w in weights],
         "via_fp32": _over([onednn_pack(w.float()) for w in weights], via_fp32)}
-    if bf16_packs:  # only the batch rows decide between bf16 arithmetic and the copies
+    limited = {"onednn": BATCH_ROWS}  # only the batch rows decide between bf16 arithmetic and the copies
+    if bf16_packs:
         backends["onednn"] = _over([onednn_pack(w) for w in weights],
                                    lambda xs, p: torch.ops.mkldnn._linear_pointwise(xs, p, None, "none", [], ""))
-    return Bf16Timings(_timed(backends, x, (*SMALL_ROWS, *BATCH_ROWS), {"onednn": BATCH_ROWS}, BF16_REPEATS))
+    if small_matmul is not None:
+        backends["small"] = lambda xs: [small_matmul(xs, w, None) for w in weights]
+        limited["small"] = SMALL_KERNEL_ROWS
+        if bf16_packs:  # what the kernel would replace at its rows
+            limited["onednn"] = tuple(sorted({*BATCH_ROWS, *SMALL_KERNEL_ROWS}))
+    return Bf16Timings(_timed(backends, x, (*SMALL_ROWS, *BATCH_ROWS), limited, BF16_REPEATS))
 
 
 def _timed(backends: dict[str, Callable[[torch.Tensor], list]], x: torch.Tensor, rows_timed: tuple[int, ...],

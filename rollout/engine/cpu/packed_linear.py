@@ -3,37 +3,33 @@ used for the engine's forward on CPU.
 
 Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
 into its blocked layout is faster at the batch sizes that carry the work (benchmarks/RESULTS.md, "Linears"), and it is
-plain fp32 arithmetic (no TF32/bf16 shortcuts). Where MKL's own packed sgemm (mkl_packed.py) is timed faster still
-(it was at every row count from 3 up on an Intel Ice Lake), it packs the fp32 copies. Below that, the weights'
-streaming from memory decides: F.linear (MKL's sgemv) serves steps of 1-2 rows where it is timed faster than the
-copies, and where oneDNN packs fp32, steps of a few rows run the C kernel csrc/small_matmul.c (3-8 rows on AVX-512
-builds, 1-8 where timed faster; on other builds the rows where it is timed faster: features.py, SMALL_MATMUL_ROWS).
-Packed copies of weights stacked along their output rows (`stacked_for`) serve the compiled forward's linears of one
-input as one matmul, and with MKL's copies a gated MLP's gate and up projections.
-bf16 already runs on oneDNN, but unpacked and with one set of JIT kernels per distinct row count (hundreds of MiB over
-a long run); packed and bucketed (row_buckets.py) it is a little faster and bounded. Where the CPU has no bf16 dot
+plain fp32 arithmetic (no TF32/bf16 shortcuts); MKL's own packed sgemm (mkl_packed.py) packs them where timed faster
+still. Below that, the weights' streaming from memory decides: F.linear (MKL's sgemv) serves steps of 1-2 rows where
+timed faster than the copies, and steps of a few rows run the C kernel csrc/small_matmul.c where it is built and timed
+faster (features.py, SMALL_MATMUL_ROWS). Stacked copies (`stacked_for`) serve the compiled forward's linears of one
+input as one matmul, and with MKL's copies a gated MLP's gate and up projections. bf16 packed and bucketed
+(row_buckets.py) is a little faster than unpacked, and bounded in oneDNN's JIT kernels. Where the CPU has no bf16 dot
 products oneDNN emulates bf16, and bf16 weights get fp32 copies instead where those are timed faster (features.py,
-ENV_BF16_VIA_FP32): `run` widens the input and rounds each output back to bf16.
+ENV_BF16_VIA_FP32): `run` widens the input and rounds each output back to bf16; steps of a few rows then run the C
+kernel on the bf16 weights (half the bytes), where timed faster.
 
 How, without changing the model: around the engine's forward only, each plain `nn.Linear` gets an instance-level
 `forward` that uses the packed copy, removed again right after; the override also checks that it runs on the thread
 of the engine's forward, so a trainer running the same module concurrently keeps `F.linear` (and its autograd). A
 recognized SiLU-gated MLP (silu_gate.py) gets one too, running its gate and up projections as one fused pair of
-packed matmuls. A TorchFunctionMode would do the same without touching instances, but it taxes every op of the
-forward. Copies are keyed by the weight tensor and its version counter, so an optimizer step
-on a shared module (in-place writes bump the counter) refreshes it on the next forward; writes through `.data` do
-not bump it, so every weight update through the engine (`set_weight_version`, which `update_weights` calls) marks
-all copies stale. A stale copy is refreshed in place, in its existing buffer, by strided copies along the layout
-packed_layout.py derived and verified for its shape and dtype (a fraction of a full repack: benchmarks/RESULTS.md,
-"RL layer"); where no layout could be verified it is repacked in full. MKL's copies are repacked in their own
-buffers. A freed weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost
-is one extra copy of the linear weights in RAM.
+packed matmuls. (A TorchFunctionMode would do the same without touching instances, but taxes every op.) Copies are
+keyed by the weight tensor and its version counter, so an optimizer step on a shared module (in-place writes bump the
+counter) refreshes it on the next forward; writes through `.data` do not, so every weight update through the engine
+(`set_weight_version`, which `update_weights` calls) marks all copies stale. A stale copy is refreshed in its existing
+buffer along the layout packed_layout.py derived and verified for its shape and dtype (a fraction of a full repack:
+benchmarks/RESULTS.md, "RL layer"), else repacked in full; MKL's copies are repacked in their own buffers. A freed
+weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost is one extra
+copy of the linear weights in RAM.
 
 Which dtypes: decided once per process by cpu/features.py, which packs a small weight of each dtype and checks the
-result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU bf16 linears
-run on fp32 copies where timed faster, else keep `F.linear` (unpacked), while fp32 ones are packed. An explicit
-`prepack_weights=True` for a model whose dtype cannot be served here is a ValueError (features.require_packing)
-rather than a silent no-op.
+result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (elsewhere bf16 runs on fp32 copies
+where timed faster, else `F.linear`). An explicit `prepack_weights=True` for a model whose dtype cannot be served here
+is a ValueError (features.require_packing) rather than a silent no-op.
 """
 
 from __future__ import annotations
@@ -94,10 +90,12 @@ class PackedLinears:
                  mkl: bool | None = None, bf16_via_fp32: bool | None = None) -> None:
         self.model = model
         features = cpu_features()
-        # bf16 weights packed as fp32 copies (None: where timed faster; timed only for a model with bf16 linears)
-        self.bf16_unpacked_max_rows = 0
+        # bf16 weights on fp32 copies (None: where timed faster, timed only for a model with bf16 linears); bf16
+        # inputs of at most `bf16_kernel_max_rows` rows on the small-rows kernel over the bf16 weights
+        self.bf16_unpacked_max_rows = self.bf16_kernel_max_rows = 0
         if bf16_via_fp32 is None and torch.bfloat16 in linear_dtypes(model) & (dtypes or {torch.bfloat16}):
             bf16_via_fp32, self.bf16_unpacked_max_rows = features.bf16_via_fp32, features.bf16_unpacked_max_rows
+            self.bf16_kernel_max_rows = features.bf16_kernel_max_rows if cpu_kernel.load_kernel() is not None else 0
         self.via_fp32 = frozenset({torch.bfloat16}) if bf16_via_fp32 and features.packs(torch.float32) else frozenset()
         # the weight dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (features.packed_dtypes | self.via_fp32) & (
@@ -109,17 +107,13 @@ class PackedLinears:
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
         self._pads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        self._widened = False  # fp32 copies were written from widened temporaries since the last release
-        # the per-forward lookup: id(weight) -> packed copy, and what it was built from (epoch; module, weight,
-        # version per target), so a forward checks versions instead of re-deriving each copy
+        self._widened = False  # fp32 copies were packed from widened temporaries since the last release
+        # per forward: id(weight) -> packed copy, and what it was built from (epoch; module, weight, version each)
         self._table: dict[int, torch.Tensor] = {}
         self._checked: tuple[int, list] | None = None
-        # Set by use_mkl: `mkl`, fp32 weights packed by MKL rather than oneDNN (mkl_packed.py; None: where
-        # cpu_features says so); `gate_dtypes`, whose gated MLPs run gate and up as one op (oneDNN's fused pair,
-        # MKL's stacked copy); `unpacked_max_rows`, fp32 inputs of at most this many rows skip the packed copies for
-        # F.linear (MKL's sgemv, where timed faster: cpu_features.unpacked_max_rows); `small_matmul`, inputs of
-        # `small_rows` rows run the small-rows kernel where it is built (not with MKL's copies: those are
-        # faster there).
+        # Set by use_mkl: `mkl` (fp32 packed by MKL: mkl_packed.py), `gate_dtypes` (gated MLPs whose gate and up run as
+        # one op), `unpacked_max_rows` (fp32 inputs of at most this many rows on F.linear), `small_matmul` and
+        # `small_rows` (fp32 inputs of those rows on the small-rows kernel; not with MKL's copies, faster there).
         self.use_mkl(cpu_features().mkl_packed if mkl is None else mkl)
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
@@ -284,19 +278,26 @@ class PackedLinears:
 
     def unpacked_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` where no packed copy serves it (`packed_for` gave None); inside a forward on
-        this thread, fp32 inputs of `small_rows` rows run the small-rows kernel on the weight as stored."""
+        this thread, inputs of the rows the small-rows kernel serves in their dtype run it on the weight as stored."""
         if self._small_matmul_serves(x, weight, bias):
             return cpu_kernel.small_matmul(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def _kernel_rows(self, dtype: torch.dtype) -> tuple[int, int] | None:
+        """The rows (low, high) of inputs of `dtype` the small-rows kernel serves, None for none."""
+        if dtype == torch.float32:
+            return self.small_rows if self.small_matmul else None
+        return (1, self.bf16_kernel_max_rows) if dtype == torch.bfloat16 and self.bf16_kernel_max_rows else None
+
     def _small_matmul_serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        if not (self.small_matmul and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel()):
+        rows = self._kernel_rows(x.dtype)
+        if rows is None or weight.dtype != x.dtype or not x.numel():
             return False
         if getattr(self._active, "table", None) is None or weight.device.type != "cpu" or not weight.is_contiguous():
             return False  # not this thread's forward (a trainer's keeps F.linear and its autograd), or a view
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             return False
-        return self.small_rows[0] <= x.numel() // x.shape[-1] <= self.small_rows[1]
+        return rows[0] <= x.numel() // x.shape[-1] <= rows[1]
 
     def packed_for(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """Inside a forward on this thread (`with linears:` or `serving()`): the packed copy that serves
@@ -312,18 +313,18 @@ class PackedLinears:
 
     def _packed_input(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether packed copies of weights of `dtype` serve input `x`: not for another dtype or an empty input, nor
-        for fp32 inputs of at most `unpacked_max_rows` rows or, where the small-rows kernel serves, of
-        `small_rows` rows, nor for bf16 inputs on fp32 copies of at most `bf16_unpacked_max_rows` rows
+        for inputs of the rows the small-rows kernel serves in their dtype, nor for fp32 inputs of at most
+        `unpacked_max_rows` rows, nor for bf16 inputs on fp32 copies of at most `bf16_unpacked_max_rows` rows
         (`unpacked_linear` is faster there)."""
         if x.dtype != dtype or not x.numel():
             return False
         rows = x.numel() // x.shape[-1]
+        kernel = self._kernel_rows(x.dtype)
+        if kernel is not None and kernel[0] <= rows <= kernel[1]:
+            return False
         if x.dtype in self.via_fp32:
             return rows > self.bf16_unpacked_max_rows
-        if x.dtype != torch.float32:
-            return True
-        return rows > self.unpacked_max_rows and not (
-            self.small_matmul and self.small_rows[0] <= rows <= self.small_rows[1])
+        return x.dtype != torch.float32 or rows > self.unpacked_max_rows
 
     def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that

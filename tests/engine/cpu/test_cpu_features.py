@@ -20,7 +20,16 @@ from rollout.engine.cpu.features import (
     small_matmul_rows,
     unpacked_max_rows,
 )
-from rollout.engine.cpu.linear_timing import Bf16Timings, LinearTimings, small_kernel_rows
+from rollout.engine.cpu.linear_timing import (
+    ENV_PROBE_SHAPE,
+    PROBE_IN,
+    PROBE_OUT,
+    Bf16Timings,
+    LinearTimings,
+    _probe_weights,
+    probe_shape,
+    small_kernel_rows,
+)
 from rollout.engine.cpu.mkl_packed import forced as mkl_packed_forced
 from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT, PackedLinears
 from tests.helpers.cpu import BF16_ERROR
@@ -135,6 +144,36 @@ def test_bf16_route_is_chosen_by_the_clocks():
     assert not near_tie.via_fp32_wins() and near_tie.unpacked_max_rows() == 0
 
 
+def test_the_small_rows_kernel_takes_bf16_rows_from_one_up_while_its_summed_times_win():
+    """Against what serves those rows without it: the faster of the fp32 copies and F.linear on the fp32-copy route,
+    oneDNN's bf16 copies otherwise; summed from 1 row up, by the margin."""
+    small = {"small": dict(zip((1, 2, 4, 8), [0.6, 0.7, 0.9, 1.1]))}
+    ice_lake = Bf16Timings({**_bf16_timings(f_linear=[0.74, 1.1, 2.7, 3.9, 10.3], via_fp32=[1.0, 1.1, 1.3, 1.7, 3.3],
+                                            onednn=[0.75, 1.5, 2.1, 3.3, 9.9]).seconds, **small})
+    assert ice_lake.via_fp32_wins() and ice_lake.kernel_max_rows(True) == 8
+    slow_at_eight = Bf16Timings({**ice_lake.seconds, "small": {**small["small"], 8: 4.0}})
+    assert slow_at_eight.kernel_max_rows(True) == 4  # summed to 8 rows: 6.2 against 4.45
+    native = _bf16_timings(f_linear=[1.0] * 5, via_fp32=[1.2] * 5, onednn=[0.5, 0.5, 0.6, 0.6, 1.0])
+    amx = Bf16Timings({**native.seconds, **small})  # bf16 dot products: oneDNN's bf16 copies, faster than the kernel
+    assert not amx.via_fp32_wins() and amx.kernel_max_rows(False) == 0
+    assert _bf16_timings(f_linear=[1.0] * 5, via_fp32=[1.0] * 5).kernel_max_rows(True) == 0  # not built: not timed
+
+
+@pytest.mark.parametrize("value", ["", "96x48", " 96X48 ", "96", "0x48", "ax48", "96x48x2"])
+def test_the_probe_shape_switch(monkeypatch, value):
+    """ROLLOUT_LINEAR_PROBE_SHAPE times smaller weights (an emulated CPU); a bad value says what it expects."""
+    monkeypatch.setenv(ENV_PROBE_SHAPE, value)
+    if value.strip().lower() not in ("", "96x48"):
+        with pytest.raises(ValueError, match=r"ROLLOUT_LINEAR_PROBE_SHAPE=.*: expected OUTxIN, two positive sizes"):
+            probe_shape()
+        return
+    shape = (PROBE_OUT, PROBE_IN) if not value else (96, 48)
+    assert probe_shape() == shape
+    weights, x = _probe_weights(torch.bfloat16)
+    assert {tuple(w.shape) for w in weights} == {shape} and x.shape[1] == shape[1] and x.dtype == torch.bfloat16
+    assert f"{shape[0]}x{shape[1]} bf16 linears" in Bf16Timings({"f_linear": {1: 1e-3}}).describe()
+
+
 @pytest.mark.parametrize("value", ["0", "1", "yes"])
 def test_bf16_route_switch(fresh_detection, monkeypatch, value):
     monkeypatch.setenv(ENV_BF16_VIA_FP32, value)
@@ -146,7 +185,7 @@ def test_bf16_route_switch(fresh_detection, monkeypatch, value):
     fp32_packs = features.packs(torch.float32)
     assert features.bf16_via_fp32 == (value == "1" and fp32_packs)
     assert (torch.bfloat16 in features.served_dtypes) == (features.packs(torch.bfloat16) or features.bf16_via_fp32)
-    assert features.bf16_unpacked_max_rows == 0
+    assert features.bf16_unpacked_max_rows == features.bf16_kernel_max_rows == 0  # the switch: one path per route
 
 
 def test_explicit_prepack_on_an_avx2_machine(avx2_machine, monkeypatch):

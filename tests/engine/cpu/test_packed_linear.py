@@ -222,15 +222,37 @@ def test_small_matmul_kernel_matches_f_linear(shape, bias):
     assert torch.allclose(small_matmul(strided, weight, b), F.linear(strided, weight, b), atol=1e-5, rtol=1e-5)
 
 
+@needs_small_matmul
+@pytest.mark.parametrize("shape", [(80, 48), (81, 50), (7, 300), (1, 16), (4096, 512)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_matmul_kernel_on_bf16_weights_is_the_fp32_kernel_on_the_widened_values(shape, bias):
+    """bf16 weights widened in registers: for every row count, the fp32 kernel's sums over the widened input,
+    weight and bias, rounded to bf16, bit for bit (so the bits hold on every target as the fp32 kernel's do); within
+    a bf16 step of F.linear's fp32 result."""
+    torch.manual_seed(shape[0] + 1)
+    out_features, in_features = shape
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    wide_b = None if b is None else b.float()
+    x = torch.randn(16, in_features).bfloat16()
+    for rows in range(1, 17):
+        out = small_matmul(x[:rows], weight, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        assert torch.equal(out, small_matmul(x[:rows].float(), weight.float(), wide_b).bfloat16()), rows
+        exact = F.linear(x[:rows].float(), weight.float(), wide_b)
+        assert torch.allclose(out.float(), exact, atol=1e-2, rtol=8e-3), rows
+
+
 def _small_matmul_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Input widths with and without a tail past the 16-float steps, row counts across every tile size (8, 4, 2, 1
-    rows on AVX-512; 2 and 1 elsewhere), odd output counts, with and without a bias."""
+    rows on AVX-512; 2 and 1 elsewhere), odd output counts, with and without a bias; fp32, and bf16 weights."""
     g = torch.Generator().manual_seed(0)
     cases = []
     for in_features, out_features, rows, bias in [(300, 81, 7, True), (301, 9, 9, False), (16, 5, 3, True),
                                                    (7, 4, 1, True), (960, 33, 8, False), (45, 2, 16, True)]:
         x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
         cases.append((x, w, torch.randn(out_features, generator=g) if bias else None))
+    cases += [(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()) for x, w, b in cases[:3]]
     return cases
 
 
@@ -282,6 +304,27 @@ def test_steps_of_a_few_fp32_rows_run_the_small_matmul_kernel_in_the_forward_onl
         assert linears.packed_for(x, layer.weight) is not None  # above the range: the packed copy
     out = layer(x[:, :low].requires_grad_())  # not inside the forward: autograd through F.linear
     assert torch.equal(out, F.linear(x[:, :low], layer.weight, layer.bias)) and out.requires_grad
+
+
+@needs_fp32_packing
+@needs_small_matmul
+@pytest.mark.parametrize("via_fp32", [True, False], ids=["fp32 copies", "bf16 copies"])
+def test_steps_of_a_few_bf16_rows_run_the_small_matmul_kernel_where_the_route_says(via_fp32):
+    """bf16 inputs of at most `bf16_kernel_max_rows` rows run the kernel on the bf16 weights as stored (neither
+    copy serves them); above, the packed copy; outside the forward, F.linear itself."""
+    if not via_fp32 and not cpu_features().packs(torch.bfloat16):
+        pytest.skip("oneDNN does not pack bf16 on this CPU")
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(48, 80).to(torch.bfloat16)
+    linears = PackedLinears(layer, dtypes=frozenset({torch.bfloat16}), mkl=False, bf16_via_fp32=via_fp32)
+    linears.bf16_kernel_max_rows = 4  # as a route timed faster there sets it
+    x = torch.randn(1, 6, 48).to(torch.bfloat16)
+    with torch.inference_mode(), linears:
+        for rows in (1, 4):
+            assert linears.packed_for(x[:, :rows], layer.weight) is None
+            assert torch.equal(layer(x[:, :rows]), small_matmul(x[:, :rows], layer.weight, layer.bias))
+        assert linears.packed_for(x[:, :5], layer.weight) is not None
+    assert torch.equal(layer(x[:, :2]), F.linear(x[:, :2], layer.weight, layer.bias))
 
 
 # --------------------------------------------------------------------------- in-place refresh after weight updates

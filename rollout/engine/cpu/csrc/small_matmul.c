@@ -1,4 +1,7 @@
-/* fp32 linear layers of a few rows: out[m, n] = x[m, :] . w[n, :] + bias[n], reading the weight as it is stored.
+/* Linear layers of a few rows: out[m, n] = x[m, :] . w[n, :] + bias[n] in fp32, reading the weight as it is stored:
+ * fp32 weights (rollout_small_matmul), or bf16 weights widened to fp32 in registers (rollout_small_matmul_bf16w: a
+ * bf16 model on a CPU without bf16 dot products streams half the bytes of an fp32 copy; the caller widens the input
+ * and rounds the output to bf16, as a bf16 matmul rounds its fp32 sums).
  *
  * Why a kernel: a decode step of a few sequences reads every weight once and does a few FMAs per value, so its
  * linears are bound by how fast the weights stream from memory. oneDNN's matmul on the packed copies and MKL's sgemm
@@ -7,8 +10,8 @@
  * kept in L1 (2 where the vector registers are AVX2's or fewer). The engine uses it on AVX-512 builds only
  * (cpu/features.py, SMALL_MATMUL_ISAS).
  *
- * Layout: x [M, K] with row stride ldx (unit stride within a row); w [N, K] contiguous; bias [N] or NULL; out [M, N]
- * with row stride ldo. Portable C with GCC/Clang vector types (lowered to the target's registers); the one intrinsic
+ * Layout: x [M, K] fp32 with row stride ldx (unit stride within a row); w [N, K] contiguous (fp32 or bf16); bias [N]
+ * fp32 or NULL; out [M, N] fp32 with row stride ldo. Portable C with GCC/Clang vector types (lowered to the target's registers); the one intrinsic
  * is the fused multiply-add.
  *
  * Same bits on every target, by construction: each output is one dot product whose operations are fixed by the
@@ -17,7 +20,8 @@
  * added front to back, again with fmaf; the bias last. The file is compiled without -ffast-math and with
  * -ffp-contract=off (cpu_kernel.SOURCE_FLAGS), so no sum is reassociated, vectorized into another order or contracted.
  * The result therefore depends on K only: not on the thread count, the number of rows, the vector width (AVX-512,
- * AVX2, SSE) or whether the CPU has FMA (fmaf is exact in software too).
+ * AVX2, SSE) or whether the CPU has FMA (fmaf is exact in software too). A bf16 weight widens exactly (its bits shifted
+ * up 16), so the bf16 entry point gives the fp32 entry point's bits on the widened weight.
  */
 #include <stdint.h>
 #include <string.h>
@@ -38,7 +42,7 @@
 #define STEP 16
 #define SPLIT (STEP / WIDTH)
 #define PAIR 2 /* weight rows walked together: each input vector loaded serves two FMAs */
-#define PREFETCH 1024 /* floats ahead of the weight rows being read (4 KiB): memory latency hidden */
+#define PREFETCH_BYTES 4096 /* ahead of the weight rows being read: memory latency hidden */
 #define PAIRS_PER_GRAB 16 /* weight-row pairs a thread takes at a time (dynamic: a preempted thread's share moves) */
 
 typedef float vec_t __attribute__((vector_size(WIDTH * sizeof(float))));
@@ -64,6 +68,28 @@ static inline vec_t load(const float *p) {
     return v;
 }
 
+typedef uint16_t halves_t __attribute__((vector_size(WIDTH * sizeof(uint16_t))));
+typedef uint32_t words_t __attribute__((vector_size(WIDTH * sizeof(uint32_t))));
+
+/* WIDTH weights from element `i` of `w`: fp32, or bf16 widened (`bf16`, a constant at every call site). */
+static inline vec_t load_weights(const void *w, int64_t i, const int bf16) {
+    if (!bf16) return load((const float *)w + i);
+    halves_t h;
+    memcpy(&h, (const uint16_t *)w + i, sizeof h);
+    const words_t u = __builtin_convertvector(h, words_t) << 16;
+    vec_t v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float weight_at(const void *w, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)w)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* The 16 lanes of one accumulator (its SPLIT vectors in order) summed pairwise in a fixed order. */
 static inline float sum_lanes(const vec_t *parts) {
     float lane[STEP], half[8], quarter[4];
@@ -73,23 +99,24 @@ static inline float sum_lanes(const vec_t *parts) {
     return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
-/* Outputs (m, n) for m < rows and n in {n0, n0 + 1}: `rows` is a compile-time constant at every call site, so the
- * accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *w, const float *bias,
+/* Outputs (m, n) for m < rows and n in {n0, n0 + 1}: `rows` and `bf16` are compile-time constants at every call site,
+ * so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const void *w, const float *bias,
                                                        float *out, int64_t ldo, int64_t n0, int64_t k_len,
-                                                       const int rows) {
+                                                       const int rows, const int bf16) {
     vec_t acc[ROWS][PAIR][SPLIT];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < PAIR; j++)
             for (int h = 0; h < SPLIT; h++) acc[m][j][h] = (vec_t){0};
-    const float *w0 = w + n0 * k_len, *w1 = w0 + k_len;
+    const int64_t r0 = n0 * k_len, r1 = r0 + k_len; /* the pair's first elements */
+    const char *bytes = (const char *)w + r0 * (bf16 ? 2 : 4);
     int64_t k = 0;
     for (; k + STEP <= k_len; k += STEP) {
-        /* the pair's two rows are adjacent: 2 * k_len floats read front to back, two lines per step */
-        __builtin_prefetch(w0 + PREFETCH + 2 * k);
-        __builtin_prefetch(w0 + PREFETCH + 2 * k + STEP);
+        /* the pair's two rows are adjacent: 2 * k_len weights read front to back, two lines (fp32) per step */
+        __builtin_prefetch(bytes + PREFETCH_BYTES + 2 * k * (bf16 ? 2 : 4));
+        __builtin_prefetch(bytes + PREFETCH_BYTES + 2 * k * (bf16 ? 2 : 4) + 64);
         for (int h = 0; h < SPLIT; h++) {
-            const vec_t a = load(w0 + k + h * WIDTH), b = load(w1 + k + h * WIDTH);
+            const vec_t a = load_weights(w, r0 + k + h * WIDTH, bf16), b = load_weights(w, r1 + k + h * WIDTH, bf16);
             for (int m = 0; m < rows; m++) {
                 const vec_t xv = load(x + m * ldx + k + h * WIDTH);
                 acc[m][0][h] = fma_lanes(xv, a, acc[m][0][h]);
@@ -100,8 +127,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     for (int m = 0; m < rows; m++) {
         float s0 = sum_lanes(acc[m][0]), s1 = sum_lanes(acc[m][1]);
         for (int64_t i = k; i < k_len; i++) {
-            s0 = __builtin_fmaf(x[m * ldx + i], w0[i], s0);
-            s1 = __builtin_fmaf(x[m * ldx + i], w1[i], s1);
+            s0 = __builtin_fmaf(x[m * ldx + i], weight_at(w, r0 + i, bf16), s0);
+            s1 = __builtin_fmaf(x[m * ldx + i], weight_at(w, r1 + i, bf16), s1);
         }
         if (bias) s0 += bias[n0], s1 += bias[n0 + 1];
         out[m * ldo + n0] = s0;
@@ -110,32 +137,35 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 }
 
 /* The pair (n0, n0 + 1) for all `m_len` rows: tiles of ROWS, then of 4, 2 and 1 below it. */
-static void pair_all_rows(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
-                          int64_t n0, int64_t m_len, int64_t k_len) {
+static inline __attribute__((always_inline)) void pair_all_rows(const float *x, int64_t ldx, const void *w,
+                                                                const float *bias, float *out, int64_t ldo,
+                                                                int64_t n0, int64_t m_len, int64_t k_len,
+                                                                const int bf16) {
     int64_t m = 0;
-    for (; m + ROWS <= m_len; m += ROWS) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, ROWS);
+    for (; m + ROWS <= m_len; m += ROWS) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, ROWS, bf16);
 #if ROWS > 4
-    if (m_len - m >= 4) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 4), m += 4;
+    if (m_len - m >= 4) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 4, bf16), m += 4;
 #endif
 #if ROWS > 2
-    if (m_len - m >= 2) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 2), m += 2;
+    if (m_len - m >= 2) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 2, bf16), m += 2;
 #endif
-    if (m_len - m >= 1) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 1);
+    if (m_len - m >= 1) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 1, bf16);
 }
 
 /* The last output column of an odd N, one dot product per row (the same lanes and sum as a tile's). */
-static void last_column(const float *x, int64_t ldx, const float *w, const float *bias, float *out, int64_t ldo,
-                        int64_t n, int64_t m_len, int64_t k_len) {
-    const float *row = w + n * k_len;
+static void last_column(const float *x, int64_t ldx, const void *w, const float *bias, float *out, int64_t ldo,
+                        int64_t n, int64_t m_len, int64_t k_len, const int bf16) {
+    const int64_t row = n * k_len;
     for (int64_t m = 0; m < m_len; m++) {
         vec_t acc[SPLIT];
         for (int h = 0; h < SPLIT; h++) acc[h] = (vec_t){0};
         int64_t k = 0;
         for (; k + STEP <= k_len; k += STEP)
             for (int h = 0; h < SPLIT; h++)
-                acc[h] = fma_lanes(load(x + m * ldx + k + h * WIDTH), load(row + k + h * WIDTH), acc[h]);
+                acc[h] = fma_lanes(load(x + m * ldx + k + h * WIDTH), load_weights(w, row + k + h * WIDTH, bf16),
+                                   acc[h]);
         float s = sum_lanes(acc);
-        for (; k < k_len; k++) s = __builtin_fmaf(x[m * ldx + k], row[k], s);
+        for (; k < k_len; k++) s = __builtin_fmaf(x[m * ldx + k], weight_at(w, row + k, bf16), s);
         out[m * ldo + n] = bias ? s + bias[n] : s;
     }
 }
@@ -144,6 +174,15 @@ void rollout_small_matmul(const float *x, int64_t ldx, const float *w, const flo
                           int64_t m_len, int64_t n_len, int64_t k_len, int num_threads) {
     const int64_t pairs = n_len / PAIR;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, PAIRS_PER_GRAB)
-    for (int64_t p = 0; p < pairs; p++) pair_all_rows(x, ldx, w, bias, out, ldo, p * PAIR, m_len, k_len);
-    if (n_len % PAIR) last_column(x, ldx, w, bias, out, ldo, n_len - 1, m_len, k_len);
+    for (int64_t p = 0; p < pairs; p++) pair_all_rows(x, ldx, w, bias, out, ldo, p * PAIR, m_len, k_len, 0);
+    if (n_len % PAIR) last_column(x, ldx, w, bias, out, ldo, n_len - 1, m_len, k_len, 0);
+}
+
+/* The same with a bf16 weight (uint16_t bits), widened in registers. */
+void rollout_small_matmul_bf16w(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *out,
+                                int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int num_threads) {
+    const int64_t pairs = n_len / PAIR;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, PAIRS_PER_GRAB)
+    for (int64_t p = 0; p < pairs; p++) pair_all_rows(x, ldx, w, bias, out, ldo, p * PAIR, m_len, k_len, 1);
+    if (n_len % PAIR) last_column(x, ldx, w, bias, out, ldo, n_len - 1, m_len, k_len, 1);
 }
