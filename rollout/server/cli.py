@@ -24,6 +24,10 @@ SCHEDULER_CHOICES = ("fifo", "prefill_first")
 API_KEY_ENV = "ROLLOUT_API_KEY"
 ADMIN_KEY_ENV = "ROLLOUT_ADMIN_KEY"
 DEFAULT_WARMUP_TOKENS = 512  # what it costs on W1: benchmarks/RESULTS.md, "Serving"
+# `rollout serve` compiles the forward on CPU unless told otherwise: measured against vLLM's server at both defaults,
+# eager fell behind at 64 streams and level 1 did not, and its start-up stayed shorter than vLLM's
+# (benchmarks/RESULTS.md, "Serving"). Other devices keep the engine's default.
+SERVE_CPU_COMPILE_LEVEL = 1
 
 
 def check_serve_extra() -> None:
@@ -55,9 +59,9 @@ def build_parser_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="CPU: intra-op threads per engine step, an integer or 'auto' (at most OMP_NUM_THREADS / "
                         "torch's default, fewer while other processes keep the cores busy)")
     parser.add_argument("--compile-level", type=int, choices=(0, 1, 2, 3), default=None,
-                        help="CPU: torch.compile level of the engine's forward (0 eager, the default; 1 is the one "
-                        "that pays on CPU: the first steps compile, ~20 s cold and ~4 s with inductor's cache warm, "
-                        "during the warm-up; see the README's Compile levels)")
+                        help=f"CPU: torch.compile level of the engine's forward (default {SERVE_CPU_COMPILE_LEVEL}: "
+                        "the warm-up compiles before the server listens, seconds to a minute with inductor's cache "
+                        "cold, less when warm; 0: eager, a faster start; see docs/serving.md)")
     parser.add_argument("--warmup-tokens", type=_non_negative_int, default=DEFAULT_WARMUP_TOKENS,
                         help="before listening, run one throwaway step per step size up to this many prompt tokens, "
                         "so the first requests do not pay kernel generation or compilation; 0 skips it")
@@ -152,14 +156,16 @@ def _cpu_threads(text: str) -> int | str:
     return text if text == "auto" else _int_at_least(text, 1, "'auto' or an integer >= 1")
 
 
-def continuous_batching_config_from_args(args: argparse.Namespace):
-    """The ContinuousBatchingConfig the serve options ask for (unset options keep the config's defaults)."""
+def continuous_batching_config_from_args(args: argparse.Namespace, device: str = "cpu"):
+    """The ContinuousBatchingConfig the serve options ask for, for a model on `device` (unset options keep the
+    config's defaults, but the compile level: SERVE_CPU_COMPILE_LEVEL on CPU)."""
     from rollout.config import ContinuousBatchingConfig
 
     names = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type", "seed",
              "cpu_threads")
     kwargs = {name: getattr(args, name, None) for name in names}
-    kwargs["default_compile_level"] = getattr(args, "compile_level", None)
+    level = getattr(args, "compile_level", None)
+    kwargs["default_compile_level"] = SERVE_CPU_COMPILE_LEVEL if level is None and device == "cpu" else level
     return ContinuousBatchingConfig(**{k: v for k, v in kwargs.items() if v is not None})
 
 
@@ -193,7 +199,7 @@ def serve(args: argparse.Namespace) -> None:
 
     def build_app():
         model, tokenizer = load_model(args.model, args.dtype, getattr(args, "device", None))
-        app = create_app(model, tokenizer, name, continuous_batching_config_from_args(args),
+        app = create_app(model, tokenizer, name, continuous_batching_config_from_args(args, model.device.type),
                          model_aliases=[args.model], settings=settings)
         if args.warmup_tokens:
             app.state.backend.manager.warm_up(args.warmup_tokens)

@@ -422,6 +422,9 @@ def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
     assert launched["port"] == 8123 and launched["host"] == "127.0.0.1"
     # warmed up before listening, within the 256 tokens of KV asked for, and nothing of it shows
     assert len(warmed) == 1 and max(warmed[0].prompt_lengths) == 248  # 248 + 2 tokens fit in 256
+    # the CPU default: the forward compiled, its graphs built by the warm-up
+    engine = launched["app"].state.backend.manager.engine
+    assert engine.config.default_compile_level == 1 and engine.runner.compiled.paths
     stats = launched["app"].state.backend.manager.stats()
     assert stats.steps == 0 and stats.cached_blocks == 0 and stats.generated_tokens == 0
     with TestClient(launched["app"], base_url=LOCAL) as client:  # runs the lifespan: the backend is closed on exit
@@ -441,7 +444,11 @@ def test_serve_options_map_to_the_engine_config():
         "--model", "m", "--compile-level", "1", "--max-batch-tokens", "512", "--cpu-threads", "1"]))
     assert (config.default_compile_level, config.max_batch_tokens, config.cpu_threads) == (1, 512, 1)
     default = continuous_batching_config_from_args(parser.parse_args(["--model", "m"]))
-    assert default.default_compile_level == 0 and default.max_batch_tokens is None and default.cpu_threads == "auto"
+    assert default.default_compile_level == 1 and default.max_batch_tokens is None and default.cpu_threads == "auto"
+    eager = continuous_batching_config_from_args(parser.parse_args(["--model", "m", "--compile-level", "0"]))
+    assert eager.default_compile_level == 0  # asked for: kept
+    on_gpu = continuous_batching_config_from_args(parser.parse_args(["--model", "m"]), device="cuda")
+    assert on_gpu.default_compile_level == 0  # compile levels are CPU-only: the config's default elsewhere
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--compile-level", "4"])
     assert parser.parse_args(["--model", "m"]).warmup_tokens == 512
@@ -531,7 +538,7 @@ def test_serve_with_a_broken_bf16_forward_answers_500_and_health_503(tmp_path, m
     tiny_tokenizer().save_pretrained(tmp_path)
     args = build_parser_args(argparse.ArgumentParser()).parse_args([
         "--model", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu", "--page-size", "8", "--num-blocks", "32",
-        "--log-level", "warning"])
+        "--log-level", "warning", "--compile-level", "0"])  # eager: BreakableForward patches the module's forward
     launched = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: launched.update(app=app, **kw))
     serve(args)
