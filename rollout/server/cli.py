@@ -199,9 +199,12 @@ def serve(args: argparse.Namespace) -> None:
 
     def build_app():
         model, tokenizer = load_model(args.model, args.dtype, getattr(args, "device", None))
-        app = create_app(model, tokenizer, name, continuous_batching_config_from_args(args, model.device.type),
-                         model_aliases=[args.model], settings=settings)
+        config = continuous_batching_config_from_args(args, model.device.type)
+        app = create_app(model, tokenizer, name, config, model_aliases=[args.model], settings=settings)
         if args.warmup_tokens:
+            if config.default_compile_level:  # the longest part of a start: say why, and how to skip it
+                logger.info("warming up: the first steps compile the forward (--compile-level %d; 0 starts faster "
+                            "and serves eagerly)", config.default_compile_level)
             app.state.backend.manager.warm_up(args.warmup_tokens)
         return app
 

@@ -407,7 +407,7 @@ def test_requests_cut_by_a_shutdown_answer_503():
     assert backend.finished_counts()["error"] == 2
 
 
-def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
+def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch, caplog):
     """`build_parser_args` + `serve(args)`: load a save_pretrained directory and hand uvicorn a working app."""
     tiny_model("qwen3").save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
@@ -418,7 +418,9 @@ def test_serve_loads_a_local_checkpoint(tmp_path, monkeypatch):
     launched, warmed = {}, []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: launched.update(app=app, **kw))
     monkeypatch.setattr(rollout.manager, "warm_up", lambda *a, **kw: warmed.append(warm_up(*a, **kw)) or warmed[-1])
-    serve(args)
+    with caplog.at_level("INFO", logger="rollout.server.cli"):
+        serve(args)
+    assert "the first steps compile the forward (--compile-level 1; 0 starts faster" in caplog.text
     assert launched["port"] == 8123 and launched["host"] == "127.0.0.1"
     # warmed up before listening, within the 256 tokens of KV asked for, and nothing of it shows
     assert len(warmed) == 1 and max(warmed[0].prompt_lengths) == 248  # 248 + 2 tokens fit in 256
