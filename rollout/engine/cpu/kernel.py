@@ -174,8 +174,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
                    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
-    for fn in (lib.rollout_small_matmul, lib.rollout_small_matmul_bf16w):
-        fn.restype = None
+    for fn, restype in ((lib.rollout_small_matmul, None), (lib.rollout_small_matmul_bf16, ctypes.c_int)):
+        fn.restype = restype
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
                        + [ctypes.c_int])
     fn = lib.rollout_any_nonfinite
@@ -289,21 +289,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for CPU tensors of a few rows (csrc/small_matmul.c), with the weight read as stored
-    (`[N, K]`, contiguous): fp32, or bf16 widened in registers (the input widened to fp32, the fp32 sums rounded to
-    x's dtype, as a bf16 matmul rounds them); no autograd. For the engine's forward only, at the rows cpu_features
-    chose (`small_matmul_rows`, `Bf16Route.small_rows`)."""
+    (`[N, K]`, contiguous), all fp32 or all bf16 (summed in fp32, each output rounded to bf16, as a bf16 matmul rounds
+    its fp32 sums); no autograd. For the engine's forward only, at the rows cpu_features chose (`small_matmul_rows`,
+    `Bf16Route.kernel_max_rows`)."""
+    if x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16) or (
+            bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"small_matmul takes fp32 or bf16 input, weight and bias of one dtype, got {x.dtype}, "
+                         f"{weight.dtype} and {None if bias is None else bias.dtype}")
     lib = load_kernel()
     flat = x.reshape(-1, x.shape[-1])
-    if flat.dtype != torch.float32 or flat.stride(-1) != 1:
-        flat = flat.float().contiguous()
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
     rows, width = flat.shape
-    run = lib.rollout_small_matmul_bf16w if weight.dtype == torch.bfloat16 else lib.rollout_small_matmul
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    run(flat.data_ptr(), flat.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        out.stride(0), rows, weight.shape[0], width, torch.get_num_threads())
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+    run = lib.rollout_small_matmul_bf16 if x.dtype == torch.bfloat16 else lib.rollout_small_matmul
+    status = run(flat.data_ptr(), flat.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                 out.data_ptr(), out.stride(0), rows, weight.shape[0], width, torch.get_num_threads())
+    if status:
+        raise MemoryError(f"the small-rows kernel could not allocate {rows} x {width} floats of scratch")
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -241,6 +241,10 @@ def test_small_matmul_kernel_on_bf16_weights_is_the_fp32_kernel_on_the_widened_v
         assert torch.equal(out, small_matmul(x[:rows].float(), weight.float(), wide_b).bfloat16()), rows
         exact = F.linear(x[:rows].float(), weight.float(), wide_b)
         assert torch.allclose(out.float(), exact, atol=1e-2, rtol=8e-3), rows
+    strided = torch.randn(8, in_features * 2).bfloat16()[:, in_features:]  # rows further apart than they are wide
+    assert torch.equal(small_matmul(strided, weight, b), small_matmul(strided.contiguous(), weight, b))
+    with pytest.raises(ValueError, match="small_matmul takes fp32 or bf16 input, weight and bias of one dtype"):
+        small_matmul(x[:2].float(), weight, b)  # the caller widens nothing: one dtype throughout
 
 
 def _small_matmul_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:

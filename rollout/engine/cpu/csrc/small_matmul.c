@@ -1,7 +1,8 @@
-/* Linear layers of a few rows: out[m, n] = x[m, :] . w[n, :] + bias[n] in fp32, reading the weight as it is stored:
- * fp32 weights (rollout_small_matmul), or bf16 weights widened to fp32 in registers (rollout_small_matmul_bf16w: a
- * bf16 model on a CPU without bf16 dot products streams half the bytes of an fp32 copy; the caller widens the input
- * and rounds the output to bf16, as a bf16 matmul rounds its fp32 sums).
+/* Linear layers of a few rows: out[m, n] = x[m, :] . w[n, :] + bias[n] summed in fp32, reading the weight as it is
+ * stored: fp32 (rollout_small_matmul), or bf16 (rollout_small_matmul_bf16: a bf16 model on a CPU without bf16 dot
+ * products streams half the bytes of an fp32 copy). The bf16 entry widens the input rows once into fp32 scratch and
+ * the weights in registers, and rounds each output (sum plus bias) to bf16, as a bf16 matmul rounds its fp32 sums: no
+ * casts around the call, which at a few rows cost as much as the call.
  *
  * Why a kernel: a decode step of a few sequences reads every weight once and does a few FMAs per value, so its
  * linears are bound by how fast the weights stream from memory. oneDNN's matmul on the packed copies and MKL's sgemm
@@ -10,8 +11,8 @@
  * kept in L1 (2 where the vector registers are AVX2's or fewer). The engine uses it on AVX-512 builds only
  * (cpu/features.py, SMALL_MATMUL_ISAS).
  *
- * Layout: x [M, K] fp32 with row stride ldx (unit stride within a row); w [N, K] contiguous (fp32 or bf16); bias [N]
- * fp32 or NULL; out [M, N] fp32 with row stride ldo. Portable C with GCC/Clang vector types (lowered to the target's registers); the one intrinsic
+ * Layout: x [M, K] with row stride ldx (unit stride within a row); w [N, K] contiguous; bias [N] or NULL; out [M, N]
+ * with row stride ldo; all fp32, or all bf16 (uint16_t bits). Portable C with GCC/Clang vector types (lowered to the target's registers); the one intrinsic
  * is the fused multiply-add.
  *
  * Same bits on every target, by construction: each output is one dot product whose operations are fixed by the
@@ -20,11 +21,14 @@
  * added front to back, again with fmaf; the bias last. The file is compiled without -ffast-math and with
  * -ffp-contract=off (cpu_kernel.SOURCE_FLAGS), so no sum is reassociated, vectorized into another order or contracted.
  * The result therefore depends on K only: not on the thread count, the number of rows, the vector width (AVX-512,
- * AVX2, SSE) or whether the CPU has FMA (fmaf is exact in software too). A bf16 weight widens exactly (its bits shifted
- * up 16), so the bf16 entry point gives the fp32 entry point's bits on the widened weight.
+ * AVX2, SSE) or whether the CPU has FMA (fmaf is exact in software too). bf16 values widen exactly (their bits shifted
+ * up 16), so the bf16 entry gives the fp32 entry's sums on the widened values, rounded to bf16 as torch rounds.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -82,12 +86,16 @@ static inline vec_t load_weights(const void *w, int64_t i, const int bf16) {
     return v;
 }
 
-static inline float weight_at(const void *w, int64_t i, const int bf16) {
-    if (!bf16) return ((const float *)w)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+/* Element `i` of an fp32 or bf16 (`bf16`) array as fp32, and `value` stored there (rounded to bf16 for bf16). */
+static inline float value_at(const void *a, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+}
+
+static inline void store(void *a, int64_t i, float value, const int bf16) {
+    if (bf16)
+        ((uint16_t *)a)[i] = f32_to_bf16(value);
+    else
+        ((float *)a)[i] = value;
 }
 
 /* The 16 lanes of one accumulator (its SPLIT vectors in order) summed pairwise in a fixed order. */
@@ -101,8 +109,8 @@ static inline float sum_lanes(const vec_t *parts) {
 
 /* Outputs (m, n) for m < rows and n in {n0, n0 + 1}: `rows` and `bf16` are compile-time constants at every call site,
  * so the accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const void *w, const float *bias,
-                                                       float *out, int64_t ldo, int64_t n0, int64_t k_len,
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const void *w, const void *bias,
+                                                       void *out, int64_t ldo, int64_t n0, int64_t k_len,
                                                        const int rows, const int bf16) {
     vec_t acc[ROWS][PAIR][SPLIT];
     for (int m = 0; m < rows; m++)
@@ -127,33 +135,36 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     for (int m = 0; m < rows; m++) {
         float s0 = sum_lanes(acc[m][0]), s1 = sum_lanes(acc[m][1]);
         for (int64_t i = k; i < k_len; i++) {
-            s0 = __builtin_fmaf(x[m * ldx + i], weight_at(w, r0 + i, bf16), s0);
-            s1 = __builtin_fmaf(x[m * ldx + i], weight_at(w, r1 + i, bf16), s1);
+            s0 = __builtin_fmaf(x[m * ldx + i], value_at(w, r0 + i, bf16), s0);
+            s1 = __builtin_fmaf(x[m * ldx + i], value_at(w, r1 + i, bf16), s1);
         }
-        if (bias) s0 += bias[n0], s1 += bias[n0 + 1];
-        out[m * ldo + n0] = s0;
-        out[m * ldo + n0 + 1] = s1;
+        if (bias) s0 += value_at(bias, n0, bf16), s1 += value_at(bias, n0 + 1, bf16);
+        store(out, m * ldo + n0, s0, bf16);
+        store(out, m * ldo + n0 + 1, s1, bf16);
     }
 }
 
 /* The pair (n0, n0 + 1) for all `m_len` rows: tiles of ROWS, then of 4, 2 and 1 below it. */
 static inline __attribute__((always_inline)) void pair_all_rows(const float *x, int64_t ldx, const void *w,
-                                                                const float *bias, float *out, int64_t ldo,
+                                                                const void *bias, void *out, int64_t ldo,
                                                                 int64_t n0, int64_t m_len, int64_t k_len,
                                                                 const int bf16) {
+    const int64_t out_bytes = bf16 ? 2 : 4;
+#define TILE_AT(m, rows) tile(x + (m) * ldx, ldx, w, bias, (char *)out + (m) * ldo * out_bytes, ldo, n0, k_len, rows, bf16)
     int64_t m = 0;
-    for (; m + ROWS <= m_len; m += ROWS) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, ROWS, bf16);
+    for (; m + ROWS <= m_len; m += ROWS) TILE_AT(m, ROWS);
 #if ROWS > 4
-    if (m_len - m >= 4) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 4, bf16), m += 4;
+    if (m_len - m >= 4) TILE_AT(m, 4), m += 4;
 #endif
 #if ROWS > 2
-    if (m_len - m >= 2) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 2, bf16), m += 2;
+    if (m_len - m >= 2) TILE_AT(m, 2), m += 2;
 #endif
-    if (m_len - m >= 1) tile(x + m * ldx, ldx, w, bias, out + m * ldo, ldo, n0, k_len, 1, bf16);
+    if (m_len - m >= 1) TILE_AT(m, 1);
+#undef TILE_AT
 }
 
 /* The last output column of an odd N, one dot product per row (the same lanes and sum as a tile's). */
-static void last_column(const float *x, int64_t ldx, const void *w, const float *bias, float *out, int64_t ldo,
+static void last_column(const float *x, int64_t ldx, const void *w, const void *bias, void *out, int64_t ldo,
                         int64_t n, int64_t m_len, int64_t k_len, const int bf16) {
     const int64_t row = n * k_len;
     for (int64_t m = 0; m < m_len; m++) {
@@ -165,8 +176,8 @@ static void last_column(const float *x, int64_t ldx, const void *w, const float 
                 acc[h] = fma_lanes(load(x + m * ldx + k + h * WIDTH), load_weights(w, row + k + h * WIDTH, bf16),
                                    acc[h]);
         float s = sum_lanes(acc);
-        for (; k < k_len; k++) s = __builtin_fmaf(x[m * ldx + k], weight_at(w, row + k, bf16), s);
-        out[m * ldo + n] = bias ? s + bias[n] : s;
+        for (; k < k_len; k++) s = __builtin_fmaf(x[m * ldx + k], value_at(w, row + k, bf16), s);
+        store(out, m * ldo + n, bias ? s + value_at(bias, n, bf16) : s, bf16);
     }
 }
 
@@ -178,11 +189,18 @@ void rollout_small_matmul(const float *x, int64_t ldx, const float *w, const flo
     if (n_len % PAIR) last_column(x, ldx, w, bias, out, ldo, n_len - 1, m_len, k_len, 0);
 }
 
-/* The same with a bf16 weight (uint16_t bits), widened in registers. */
-void rollout_small_matmul_bf16w(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *out,
-                                int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int num_threads) {
+/* The same in bf16 (uint16_t bits): the input rows widened once into fp32 scratch (a few rows: L1-sized), the weights
+ * in registers, each output rounded to bf16. Returns 0, or 1 where the scratch could not be allocated. */
+int rollout_small_matmul_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                              int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int num_threads) {
+    float *wide = malloc((size_t)(m_len * k_len > 0 ? m_len * k_len : 1) * sizeof(float));
+    if (!wide) return 1;
+    for (int64_t m = 0; m < m_len; m++)
+        for (int64_t k = 0; k < k_len; k++) wide[m * k_len + k] = bf16_to_f32(x[m * ldx + k]);
     const int64_t pairs = n_len / PAIR;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, PAIRS_PER_GRAB)
-    for (int64_t p = 0; p < pairs; p++) pair_all_rows(x, ldx, w, bias, out, ldo, p * PAIR, m_len, k_len, 1);
-    if (n_len % PAIR) last_column(x, ldx, w, bias, out, ldo, n_len - 1, m_len, k_len, 1);
+    for (int64_t p = 0; p < pairs; p++) pair_all_rows(wide, k_len, w, bias, out, ldo, p * PAIR, m_len, k_len, 1);
+    if (n_len % PAIR) last_column(wide, k_len, w, bias, out, ldo, n_len - 1, m_len, k_len, 1);
+    free(wide);
+    return 0;
 }
