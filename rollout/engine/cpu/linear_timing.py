@@ -77,6 +77,19 @@ class _Timings:
             best = rows
         return best
 
+    def _summed_wins_up_to(self, others: tuple[str, ...]) -> int:
+        """The most of the small-rows kernel's timed rows up to which its time, summed over the timed row counts so
+        far, beats by the margin the summed best of `others` at each: 0 if it never does. One sum over several row
+        counts is steadier than any one of them (a near-tie at one row count flipped between runs of the probe)."""
+        kernel = best = 0.0
+        high = 0
+        for rows in sorted(self.seconds["small"]):
+            kernel += self.seconds["small"][rows]
+            best += min(self.seconds[name][rows] for name in others)
+            if kernel <= MARGIN * best:
+                high = rows
+        return high
+
     def describe(self) -> str:
         cells = [f"{name} " + "/".join(f"{rows}:{s * 1e6:.0f}" for rows, s in sorted(by_rows.items()))
                  for name, by_rows in self.seconds.items()]
@@ -97,24 +110,16 @@ class LinearTimings(_Timings):
     def small_matmul_rows(self, mkl: bool, by_rule: tuple[int, int] | None) -> tuple[int, int] | None:
         """The rows (low, high) the small-rows kernel runs, None for none. With a rule for this build (`by_rule`),
         those rows, widened down through the timed row counts where it beats both F.linear and the packed copies
-        chosen (`mkl`: MKL's). Without one, from 1 row up to the most timed rows at which its time summed over the
-        timed row counts so far beats the best of the others summed: one sum over several row counts is steadier
-        than any one of them (a near-tie at one row count flipped between runs of the probe)."""
+        chosen (`mkl`: MKL's). Without one, from 1 row up as far as its summed times beat the best of the others
+        (`_summed_wins_up_to`)."""
         if "small" not in self.seconds:
             return by_rule
         packed = "mkl" if mkl else "onednn"
-        timed = sorted(self.seconds["small"])
         if by_rule is None:
-            small = others = 0.0
-            high = None
-            for rows in timed:
-                small += self.seconds["small"][rows]
-                others += min(self.seconds[packed][rows], self.seconds["f_linear"][rows])
-                if small <= MARGIN * others:
-                    high = rows
-            return None if high is None else (1, high)
+            high = self._summed_wins_up_to((packed, "f_linear"))
+            return (1, high) if high else None
         low, high = by_rule
-        for rows in reversed([r for r in timed if r < low]):
+        for rows in reversed([r for r in sorted(self.seconds["small"]) if r < low]):
             if not (self.faster("small", packed, (rows,)) and self.faster("small", "f_linear", (rows,))):
                 break
             low = rows
@@ -147,23 +152,14 @@ class Bf16Timings(_Timings):
         return self._wins_up_to("f_linear", "via_fp32")
 
     def kernel_max_rows(self, via_fp32: bool) -> int:
-        """The small-rows kernel's rows, from 1 up to the most timed rows at which its time summed over the timed row
-        counts so far beats, by the margin, the summed times of what serves those rows without it: the fp32 copies or
-        F.linear, whichever is faster (`via_fp32`), else oneDNN's bf16 copies (F.linear where bf16 is not packed); 0
-        for none."""
+        """The small-rows kernel's rows, from 1 up as far as its summed times beat what serves those rows without it
+        (`_summed_wins_up_to`): the fp32 copies or F.linear, whichever is faster (`via_fp32`), else oneDNN's bf16
+        copies (F.linear where bf16 is not packed); 0 for none."""
         if "small" not in self.seconds:
             return 0
-        kernel = others = 0.0
-        high = 0
-        for rows in sorted(self.seconds["small"]):
-            kernel += self.seconds["small"][rows]
-            if via_fp32:
-                others += min(self.seconds["via_fp32"][rows], self.seconds["f_linear"][rows])
-            else:
-                others += self.seconds["onednn" if "onednn" in self.seconds else "f_linear"][rows]
-            if kernel <= MARGIN * others:
-                high = rows
-        return high
+        if via_fp32:
+            return self._summed_wins_up_to(("via_fp32", "f_linear"))
+        return self._summed_wins_up_to(("onednn" if "onednn" in self.seconds else "f_linear",))
 
 
 def via_fp32(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
