@@ -116,16 +116,6 @@ class CpuFeatures:
         return self.bf16_route.via_fp32
 
     @property
-    def bf16_unpacked_max_rows(self) -> int:
-        """With the fp32 copies: steps of at most this many rows keep F.linear on the bf16 weights."""
-        return self.bf16_route.unpacked_max_rows
-
-    @property
-    def bf16_kernel_max_rows(self) -> int:
-        """bf16 linears of steps of at most this many rows run the small-rows kernel on the bf16 weights (0: none)."""
-        return self.bf16_route.kernel_max_rows
-
-    @property
     def served_dtypes(self) -> frozenset[torch.dtype]:
         """The weight dtypes whose linears run on packed copies here: oneDNN's own, or fp32 copies of bf16 weights."""
         return self.packed_dtypes | (frozenset({torch.bfloat16}) if self.bf16_via_fp32 else frozenset())

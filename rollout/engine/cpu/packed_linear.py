@@ -90,12 +90,12 @@ class PackedLinears:
                  mkl: bool | None = None, bf16_via_fp32: bool | None = None) -> None:
         self.model = model
         features = cpu_features()
-        # bf16 weights on fp32 copies (None: where timed faster, timed only for a model with bf16 linears); bf16
-        # inputs of at most `bf16_kernel_max_rows` rows on the small-rows kernel over the bf16 weights
+        # bf16 on fp32 copies (None: where timed faster, for a model with bf16 linears), and the route's small steps
         self.bf16_unpacked_max_rows = self.bf16_kernel_max_rows = 0
         if bf16_via_fp32 is None and torch.bfloat16 in linear_dtypes(model) & (dtypes or {torch.bfloat16}):
-            bf16_via_fp32, self.bf16_unpacked_max_rows = features.bf16_via_fp32, features.bf16_unpacked_max_rows
-            self.bf16_kernel_max_rows = features.bf16_kernel_max_rows if cpu_kernel.load_kernel() is not None else 0
+            route = features.bf16_route
+            bf16_via_fp32, self.bf16_unpacked_max_rows = route.via_fp32, route.unpacked_max_rows
+            self.bf16_kernel_max_rows = route.kernel_max_rows if cpu_kernel.load_kernel() is not None else 0
         self.via_fp32 = frozenset({torch.bfloat16}) if bf16_via_fp32 and features.packs(torch.float32) else frozenset()
         # the weight dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
         self.dtypes = frozenset(PACKED_DTYPES) & (features.packed_dtypes | self.via_fp32) & (

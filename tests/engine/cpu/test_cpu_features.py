@@ -185,7 +185,8 @@ def test_bf16_route_switch(fresh_detection, monkeypatch, value):
     fp32_packs = features.packs(torch.float32)
     assert features.bf16_via_fp32 == (value == "1" and fp32_packs)
     assert (torch.bfloat16 in features.served_dtypes) == (features.packs(torch.bfloat16) or features.bf16_via_fp32)
-    assert features.bf16_unpacked_max_rows == features.bf16_kernel_max_rows == 0  # the switch: one path per route
+    route = features.bf16_route
+    assert route.unpacked_max_rows == route.kernel_max_rows == 0  # the switch: one path per route
 
 
 def test_explicit_prepack_on_an_avx2_machine(avx2_machine, monkeypatch):
