@@ -12,8 +12,8 @@
  * (cpu/features.py, SMALL_MATMUL_ISAS).
  *
  * Layout: x [M, K] with row stride ldx (unit stride within a row); w [N, K] contiguous; bias [N] or NULL; out [M, N]
- * with row stride ldo; all fp32, or all bf16 (uint16_t bits). Portable C with GCC/Clang vector types (lowered to the target's registers); the one intrinsic
- * is the fused multiply-add.
+ * with row stride ldo; all fp32, or all bf16 (uint16_t bits). Portable C with GCC/Clang vector types (lowered to the
+ * target's registers); the one intrinsic is the fused multiply-add.
  *
  * Same bits on every target, by construction: each output is one dot product whose operations are fixed by the
  * source, never by the compiler or the tiling. Lane l accumulates the products at k = 16 i + l with an explicit fused
@@ -150,7 +150,8 @@ static inline __attribute__((always_inline)) void pair_all_rows(const float *x, 
                                                                 int64_t n0, int64_t m_len, int64_t k_len,
                                                                 const int bf16) {
     const int64_t out_bytes = bf16 ? 2 : 4;
-#define TILE_AT(m, rows) tile(x + (m) * ldx, ldx, w, bias, (char *)out + (m) * ldo * out_bytes, ldo, n0, k_len, rows, bf16)
+#define TILE_AT(m, rows) \
+    tile(x + (m) * ldx, ldx, w, bias, (char *)out + (m) * ldo * out_bytes, ldo, n0, k_len, rows, bf16)
     int64_t m = 0;
     for (; m + ROWS <= m_len; m += ROWS) TILE_AT(m, ROWS);
 #if ROWS > 4
