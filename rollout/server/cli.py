@@ -158,15 +158,26 @@ def _cpu_threads(text: str) -> int | str:
 
 def continuous_batching_config_from_args(args: argparse.Namespace, device: str = "cpu"):
     """The ContinuousBatchingConfig the serve options ask for, for a model on `device` (unset options keep the
-    config's defaults, but the compile level: SERVE_CPU_COMPILE_LEVEL on CPU)."""
+    config's defaults, but the compile level: default_cpu_compile_level() on CPU)."""
     from rollout.config import ContinuousBatchingConfig
 
     names = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type", "seed",
              "cpu_threads")
     kwargs = {name: getattr(args, name, None) for name in names}
     level = getattr(args, "compile_level", None)
-    kwargs["default_compile_level"] = SERVE_CPU_COMPILE_LEVEL if level is None and device == "cpu" else level
+    kwargs["default_compile_level"] = default_cpu_compile_level() if level is None and device == "cpu" else level
     return ContinuousBatchingConfig(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def default_cpu_compile_level() -> int:
+    """SERVE_CPU_COMPILE_LEVEL where inductor finds a C++ compiler; 0 (eager, said once) where it finds none, since
+    every compile would fail at the first step and log an error before the engine fell back."""
+    from rollout.engine.worker.compiled_forward import cpp_compiler
+
+    if cpp_compiler() is not None:
+        return SERVE_CPU_COMPILE_LEVEL
+    logger.info("no C++ compiler for torch.compile (install g++, or set CXX): serving eagerly (--compile-level 0)")
+    return 0
 
 
 def load_model(path: str, dtype: str = "auto", device: str | None = None) -> tuple[Any, Any]:

@@ -7,6 +7,8 @@ the wire format itself is under test (SSE framing, malformed JSON, a client that
 import argparse
 import copy
 import json
+import logging
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -457,6 +459,35 @@ def test_serve_options_map_to_the_engine_config():
     assert parser.parse_args(["--model", "m", "--warmup-tokens", "0"]).warmup_tokens == 0  # no warm-up
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--warmup-tokens", "-1"])
+
+
+def test_serve_default_is_eager_without_a_cpp_compiler(monkeypatch, caplog):
+    """No C++ compiler for inductor: the CPU default drops to eager, and says so, instead of failing every compile."""
+    from rollout.engine.worker import compiled_forward
+    from rollout.server.cli import continuous_batching_config_from_args
+
+    parser = build_parser_args(argparse.ArgumentParser())
+    monkeypatch.setattr(compiled_forward, "cpp_compiler", lambda: None)
+    with caplog.at_level(logging.INFO, logger="rollout.server.cli"):
+        config = continuous_batching_config_from_args(parser.parse_args(["--model", "m"]))
+    assert config.default_compile_level == 0
+    assert "no C++ compiler for torch.compile" in caplog.text
+    asked = continuous_batching_config_from_args(parser.parse_args(["--model", "m", "--compile-level", "1"]))
+    assert asked.default_compile_level == 1  # an explicit level is the user's call
+    monkeypatch.setattr(compiled_forward, "cpp_compiler", lambda: "g++")
+    assert continuous_batching_config_from_args(parser.parse_args(["--model", "m"])).default_compile_level == 1
+
+
+def test_cpp_compiler_is_inductors_search(monkeypatch):
+    """cpp_compiler() follows inductor's own compiler setting: a missing compiler gives None, not an exception."""
+    from torch._inductor import config as inductor_config
+
+    from rollout.engine.worker.compiled_forward import cpp_compiler
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "rollout-no-such-compiler"))
+    assert cpp_compiler() is None
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "g++"))
+    assert (cpp_compiler() is not None) == (shutil.which("g++") is not None)
 
 
 # ------------------------------------------------------------------------------------------------------ /health

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch._inductor import cpp_builder, exc
 from transformers import PreTrainedModel
 
 from rollout.config import ContinuousBatchingConfig
@@ -325,6 +326,15 @@ class _DynamoSettings:
 
 
 _DYNAMO_SETTINGS = _DynamoSettings()
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would build CPU graphs with (its own search of `torch._inductor.config.cpp.cxx`),
+    or None: without one every compile fails at the first step, so a default that compiles should not be taken."""
+    try:
+        return cpp_builder.get_cpp_compiler()
+    except (exc.InvalidCxxCompiler, OSError, RuntimeError):
+        return None
 
 
 def build_compiled_forward(config: ContinuousBatchingConfig, device: torch.device,
