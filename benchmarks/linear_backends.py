@@ -49,7 +49,8 @@ def _paths(layers: list[dict], lm_head: torch.Tensor) -> dict[str, object]:
     """name -> (rows -> a callable running the pass at that many rows), or None where a path does not exist here."""
     from rollout.engine.cpu import mkl_packed
     from rollout.engine.cpu.features import SMALL_MATMUL_ROWS, cpu_features
-    from rollout.engine.cpu.kernel import load_kernel, small_matmul
+    from rollout.engine.cpu.kernel import load_kernel
+    from rollout.engine.cpu.matmuls import small_matmul
     from rollout.engine.cpu.mkl_packed import MklPackedWeight
     from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT
 

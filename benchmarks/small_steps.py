@@ -33,7 +33,8 @@ KINDS = (*MATMUL_KINDS, "small_matmul")
 def _calls(kind: str, inputs: dict, weights: list):
     if kind != "small_matmul":
         return [matmul_fn(kind, inputs[w.shape[1]], w) for w in weights]
-    from rollout.engine.cpu.kernel import load_kernel, small_matmul
+    from rollout.engine.cpu.kernel import load_kernel
+    from rollout.engine.cpu.matmuls import small_matmul
 
     if load_kernel() is None:
         return [None]

@@ -84,21 +84,24 @@ def test_update_weights_changes_outputs_and_keeps_every_buffer(model):
         assert again.stats["prefix_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize(("dtype", "via_fp32"), [(torch.float32, "0"), (torch.bfloat16, "0"), (torch.bfloat16, "1")],
-                         ids=["fp32", "bf16", "bf16 on fp32 copies"])
-def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fresh_engine(dtype, via_fp32,
+@pytest.mark.parametrize(("dtype", "route"), [(torch.float32, "0"), (torch.bfloat16, "0"), (torch.bfloat16, "1"),
+                                              (torch.bfloat16, "panels")],
+                         ids=["fp32", "bf16", "bf16 on fp32 copies", "bf16 on panels"])
+def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fresh_engine(dtype, route,
                                                                                           fresh_detection,
                                                                                           monkeypatch):
     """An update writes each packed copy in the same pass as its weight (fp32 copies of bf16 weights widened as they
-    are written): the next forward refreshes none. Sampled tokens and policy logprobs then equal those of an engine
-    built on the new weights."""
-    from rollout.engine.cpu.features import ENV_BF16_VIA_FP32, cpu_features
+    are written; panels, stacked or not, repacked member by member): the next forward refreshes none. Sampled tokens
+    and policy logprobs then equal those of an engine built on the new weights."""
+    from rollout.engine.cpu.features import ENV_BF16_PANELS, ENV_BF16_VIA_FP32, cpu_features
     from rollout.engine.cpu.packed_copy import PackedCopy
     from rollout.engine.cpu.packed_linear import PackedLinears
 
-    monkeypatch.setenv(ENV_BF16_VIA_FP32, via_fp32)
+    monkeypatch.setenv(ENV_BF16_PANELS, "1" if route == "panels" else "0")
+    monkeypatch.setenv(ENV_BF16_VIA_FP32, "0" if route == "panels" else route)
     if dtype not in cpu_features().served_dtypes:
         pytest.skip(f"{dtype} linears are not packed on this CPU")
+    via_fp32 = route
     model, new_model = tiny_model("qwen3").to(dtype), perturbed(tiny_model("qwen3"), seed=9).to(dtype)
     prompts = random_prompts([17, 40], seed=6)
     params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3, ignore_eos=True)
@@ -108,8 +111,9 @@ def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fre
         gen.generate(prompts, n=2, sampling_params=params)  # the packed copies exist
         linears = gen.manager.engine.runner.linears
         assert isinstance(linears, PackedLinears)
-        assert {entry.packed.dtype for entry in linears._packs.values()} == {
-            torch.float32 if via_fp32 == "1" else dtype}
+        copies = [*linears._packs.values(), *linears._stacks.values()]
+        assert {entry.packed.dtype for entry in copies} == {torch.float32 if via_fp32 == "1" else dtype}
+        assert bool(linears._stacks) == (route == "panels")  # the gated MLPs' gate and up: one stack each
         calls = {"refresh": 0, "load": 0}  # attempts
         written = {"refresh": 0, "load": 0}  # attempts that wrote the copy
         refresh, load = PackedCopy.refresh_in_place, PackedCopy.load_in_place

@@ -478,16 +478,16 @@ def test_serve_default_is_eager_without_a_cpp_compiler(monkeypatch, caplog):
     assert continuous_batching_config_from_args(parser.parse_args(["--model", "m"])).default_compile_level == 1
 
 
-def test_cpp_compiler_is_inductors_search(monkeypatch):
+def test_cpp_compiler_is_inductors_search():
     """cpp_compiler() follows inductor's own compiler setting: a missing compiler gives None, not an exception."""
     from torch._inductor import config as inductor_config
 
     from rollout.engine.worker.compiled_forward import cpp_compiler
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "rollout-no-such-compiler"))
-    assert cpp_compiler() is None
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "g++"))
-    assert (cpp_compiler() is not None) == (shutil.which("g++") is not None)
+    with inductor_config.patch({"cpp.cxx": (None, "rollout-no-such-compiler")}):
+        assert cpp_compiler() is None
+    with inductor_config.patch({"cpp.cxx": (None, "g++")}):
+        assert (cpp_compiler() is not None) == (shutil.which("g++") is not None)
 
 
 # ------------------------------------------------------------------------------------------------------ /health

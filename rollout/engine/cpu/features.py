@@ -30,6 +30,8 @@ from rollout.engine.cpu import mkl_packed
 from rollout.engine.cpu.isa import ISA_FLAGS, KernelBuild, isa_flags
 from rollout.engine.cpu.kernel import kernel_build
 from rollout.engine.cpu.linear_timing import Bf16Timings, LinearTimings, small_kernel_rows, time_bf16, time_linears
+from rollout.engine.cpu.matmuls import small_matmul
+from rollout.engine.cpu.panel_packed import PanelWeight
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,10 @@ SMALL_MATMUL_ISAS = ("avx512f",)
 # emulates bf16 (linear_timing.py). The copies cost twice the bf16 weights' RAM instead of once. 0: never, 1: wherever
 # fp32 weights can be packed.
 ENV_BF16_VIA_FP32 = "ROLLOUT_BF16_VIA_FP32"
+# Where the C library is built, bf16 linears may instead run on panels of their bf16 weights (panel_packed.py), where
+# those are timed faster than every other path at batch rows and no slower at a prefill chunk's: no second copy of the
+# weights in fp32. 0: never, 1: wherever the library is built (before ROLLOUT_BF16_VIA_FP32).
+ENV_BF16_PANELS = "ROLLOUT_BF16_PANELS"
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,10 @@ class CpuFeatures:
 
     @property
     def served_dtypes(self) -> frozenset[torch.dtype]:
-        """The weight dtypes whose linears run on packed copies here: oneDNN's own, or fp32 copies of bf16 weights."""
-        return self.packed_dtypes | (frozenset({torch.bfloat16}) if self.bf16_via_fp32 else frozenset())
+        """The weight dtypes whose linears run on packed copies here: oneDNN's own, or bf16 weights on fp32 copies or
+        panels."""
+        route = self.bf16_route
+        return self.packed_dtypes | (frozenset({torch.bfloat16}) if route.via_fp32 or route.panels else frozenset())
 
     def packing_error(self, dtype: torch.dtype) -> str:
         """Why `dtype` cannot be packed here ("" when it can)."""
@@ -243,23 +251,24 @@ def measure_linears(packed_dtypes: frozenset[torch.dtype], build: KernelBuild) -
         return None
     return time_linears(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
                         mkl_packed.MklPackedWeight if mkl_packed.available() else None,
-                        cpu_kernel.small_matmul if build.available else None, small_kernel_rows(_rule_rows(build)))
+                        small_matmul if build.available else None, small_kernel_rows(_rule_rows(build)))
 
 
 @dataclass(frozen=True)
 class Bf16Route:
-    """How bf16 linears run: on fp32 copies of their weights (`via_fp32`) but for steps of at most
-    `unpacked_max_rows` rows (F.linear on the bf16 weights), or in bf16; steps of at most `kernel_max_rows` rows on
-    the small-rows kernel over the bf16 weights as stored (widened in registers); and the timings that decided (None:
-    not timed)."""
+    """How bf16 linears run: on panels of their bf16 weights (`panels`), on fp32 copies of them (`via_fp32`), or in
+    bf16 (oneDNN's bf16 copies, or F.linear); with copies, steps of at most `unpacked_max_rows` rows on F.linear;
+    steps of at most `kernel_max_rows` rows on the small-rows kernel over the bf16 weights as stored (widened in
+    registers); and the timings that decided (None: not timed)."""
 
     via_fp32: bool
     unpacked_max_rows: int = 0
     timings: Bf16Timings | None = None
     kernel_max_rows: int = 0
+    panels: bool = False
 
     def describe(self) -> str:
-        route = "in bf16" if not self.via_fp32 else "on fp32 copies"
+        route = "on bf16 panels" if self.panels else "on fp32 copies" if self.via_fp32 else "in bf16"
         small = [f"the small-rows kernel up to {self.kernel_max_rows} rows"] if self.kernel_max_rows else []
         if self.unpacked_max_rows > self.kernel_max_rows:
             small.append(f"F.linear up to {self.unpacked_max_rows} rows")
@@ -267,28 +276,40 @@ class Bf16Route:
         return route + (f"; {self.timings.describe()}" if self.timings is not None else "")
 
 
-def bf16_route(packed_dtypes: frozenset[torch.dtype]) -> Bf16Route:
-    """The bf16 route for this CPU, whose oneDNN packs `packed_dtypes`: $ROLLOUT_BF16_VIA_FP32 when set, else timed
-    (`time_bf16`) once per process and setting, and logged; never the fp32 copies where fp32 cannot be packed."""
-    value = os.environ.get(ENV_BF16_VIA_FP32, "").strip()
+def _setting(name: str, zero: str, one: str, unset: str) -> str:
+    value = os.environ.get(name, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV_BF16_VIA_FP32}={value!r}: expected 0 (bf16 linears compute in bf16), 1 (on fp32 "
-                         "copies of the weights wherever fp32 is packed) or unset (where those measure faster)")
-    return _bf16_route(packed_dtypes, value)
+        raise ValueError(f"{name}={value!r}: expected 0 ({zero}), 1 ({one}) or unset ({unset})")
+    return value
+
+
+def bf16_route(packed_dtypes: frozenset[torch.dtype]) -> Bf16Route:
+    """The bf16 route for this CPU, whose oneDNN packs `packed_dtypes`: $ROLLOUT_BF16_PANELS or
+    $ROLLOUT_BF16_VIA_FP32 when set, else timed (`time_bf16`) once per process and setting, and logged; never the
+    fp32 copies where fp32 cannot be packed, nor panels where the C library is not built."""
+    panels = _setting(ENV_BF16_PANELS, "never run bf16 linears on panels", "on panels wherever the C library is "
+                      "built", "where those measure fastest")
+    via_fp32 = _setting(ENV_BF16_VIA_FP32, "bf16 linears compute in bf16", "on fp32 copies of the weights wherever "
+                        "fp32 is packed", "where those measure faster")
+    return _bf16_route(packed_dtypes, via_fp32, panels if cpu_kernel.load_kernel() is not None else "0")
 
 
 @functools.lru_cache(maxsize=8)
-def _bf16_route(packed_dtypes: frozenset[torch.dtype], setting: str) -> Bf16Route:
-    if torch.float32 not in packed_dtypes or setting == "0":
+def _bf16_route(packed_dtypes: frozenset[torch.dtype], setting: str, panels: str) -> Bf16Route:
+    if panels == "1":
+        route = Bf16Route(False, panels=True)
+    elif torch.float32 not in packed_dtypes or setting == "0":
         route = Bf16Route(False)
     elif setting == "1":
         route = Bf16Route(True)
     else:
         timings = time_bf16(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
                             torch.bfloat16 in packed_dtypes,
-                            cpu_kernel.small_matmul if cpu_kernel.load_kernel() is not None else None)
-        wins = timings.via_fp32_wins()
-        route = Bf16Route(wins, timings.unpacked_max_rows() if wins else 0, timings, timings.kernel_max_rows(wins))
+                            small_matmul if cpu_kernel.load_kernel() is not None else None,
+                            PanelWeight if panels == "" else None)
+        copies = timings.copies()
+        route = Bf16Route(copies == "via_fp32", timings.unpacked_max_rows(copies), timings,
+                          timings.kernel_max_rows(copies), panels=copies == "panels")
     logger.info("bf16 linears: %s", route.describe())
     return route
 

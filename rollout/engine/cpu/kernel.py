@@ -47,9 +47,10 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")  # every C file there goes into the one library
 SOURCE = CSRC / "paged_attention.c"
 MATMUL_SOURCE = CSRC / "small_matmul.c"
-# The matmul's sums keep the order the source writes, on every target: -ffast-math would let the compiler reassociate
-# or vectorize a sum in an order of its own, and contraction would fuse a multiply and an add where the target has FMA
-# (so an AVX-512 and an AVX2 build gave different bits). Its fused multiply-adds are explicit in the source instead.
+# The matmuls' sums (this one's and panel_matmul.c's) keep the order the source writes, on every target: -ffast-math
+# would let the compiler reassociate or vectorize a sum in an order of its own, and contraction would fuse a multiply
+# and an add where the target has FMA (so an AVX-512 and an AVX2 build gave different bits). Their fused multiply-adds
+# are explicit in the source instead.
 # The RMSNorm kernel likewise: it must round where the module's own ops round (a contracted multiply-add, or a sum of
 # squares reassociated by the vectorizer, would change bf16 outputs). The top-p and draw kernels must see NaN
 # probabilities as NaN (they count as 0), which -ffast-math lets the compiler assume away, and the draw's exp must round
@@ -57,6 +58,7 @@ MATMUL_SOURCE = CSRC / "small_matmul.c"
 NORM_SOURCE = CSRC / "rms_norm.c"
 SOURCE_FLAGS = {MATMUL_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"],
                 NORM_SOURCE.name: ["-fno-fast-math", "-ffp-contract=off"],
+                "panel_matmul.c": ["-fno-fast-math", "-ffp-contract=off"],
                 "truncation.c": ["-fno-fast-math"],
                 "draw.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]}
 ENV_SWITCH = "ROLLOUT_CPU_KERNEL"
@@ -178,6 +180,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = restype
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
                        + [ctypes.c_int])
+    for fn, restype in ((lib.rollout_panel_matmul, None), (lib.rollout_panel_matmul_bf16, ctypes.c_int)):
+        fn.restype = restype
+        fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+                       + [ctypes.c_int])
+    fn = lib.rollout_pack_panels
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     fn = lib.rollout_any_nonfinite
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
@@ -285,29 +294,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its per-thread scratch memory")
     return out
-
-
-def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for CPU tensors of a few rows (csrc/small_matmul.c), with the weight read as stored
-    (`[N, K]`, contiguous), all fp32 or all bf16 (summed in fp32, each output rounded to bf16, as a bf16 matmul rounds
-    its fp32 sums); no autograd. For the engine's forward only, at the rows cpu_features chose (`small_matmul_rows`,
-    `Bf16Route.kernel_max_rows`)."""
-    if x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16) or (
-            bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"small_matmul takes fp32 or bf16 input, weight and bias of one dtype, got {x.dtype}, "
-                         f"{weight.dtype} and {None if bias is None else bias.dtype}")
-    lib = load_kernel()
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    rows, width = flat.shape
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-    run = lib.rollout_small_matmul_bf16 if x.dtype == torch.bfloat16 else lib.rollout_small_matmul
-    status = run(flat.data_ptr(), flat.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                 out.data_ptr(), out.stride(0), rows, weight.shape[0], width, torch.get_num_threads())
-    if status:
-        raise MemoryError(f"the small-rows kernel could not allocate {rows} x {width} floats of scratch")
-    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

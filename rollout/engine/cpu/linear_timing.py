@@ -49,6 +49,8 @@ ENV_PROBE_SHAPE = "ROLLOUT_LINEAR_PROBE_SHAPE"
 SMALL_ROWS = (1, 2, 4)  # candidates for the rows below the packed copies
 BATCH_ROWS = (8, 32)  # where the packed copies are compared
 SMALL_KERNEL_ROWS = (1, 2, 4, 8)  # where the small-rows kernel may be timed: those outside its rule's rows
+# bf16: a prefill chunk's rows, where the panels (panel_packed.py) must keep up with the copies they would replace
+PREFILL_ROWS = 256
 REPEATS = 5  # best of, per backend and row count (the backends alternate, so drift hits all alike)
 MARGIN = 0.9  # a challenger must take at most this share of the incumbent's time
 # bf16 timings: fewer rounds, as emulated bf16 (no bf16 dot products) is slow, and the gaps it decides on are wide
@@ -146,19 +148,38 @@ class Bf16Timings(_Timings):
         """Whether the fp32 copies beat bf16 arithmetic by the margin at every one of BATCH_ROWS."""
         return all(self.seconds["via_fp32"][r] <= MARGIN * self._native(r) for r in BATCH_ROWS)
 
-    def unpacked_max_rows(self) -> int:
-        """With the fp32 copies: the most rows up to which F.linear on the bf16 weights beats them, 0 if it never
-        does."""
-        return self._wins_up_to("f_linear", "via_fp32")
+    def _best_but_panels(self, rows: int) -> float:
+        return min(by_rows[rows] for name, by_rows in self.seconds.items()
+                   if name not in ("panels", "small") and rows in by_rows)
 
-    def kernel_max_rows(self, via_fp32: bool) -> int:
+    def panels_win(self) -> bool:
+        """Whether the panels beat every other copy and F.linear by the margin at each of BATCH_ROWS, and keep within
+        the margin of the fastest at PREFILL_ROWS: a near-tie there goes to the panels, which need no second copy of
+        the weights in RAM."""
+        if "panels" not in self.seconds:
+            return False
+        panels = self.seconds["panels"]
+        return all(panels[r] <= MARGIN * self._best_but_panels(r) for r in BATCH_ROWS) and (
+            MARGIN * panels[PREFILL_ROWS] <= self._best_but_panels(PREFILL_ROWS))
+
+    def copies(self) -> str:
+        """What serves bf16 steps above the small ones: "panels", "via_fp32" (fp32 copies) or "native" (oneDNN's
+        bf16 copies where bf16 is packed, else F.linear)."""
+        return "panels" if self.panels_win() else "via_fp32" if self.via_fp32_wins() else "native"
+
+    def unpacked_max_rows(self, copies: str) -> int:
+        """With `copies` (see `copies`): the most rows up to which F.linear on the bf16 weights beats them, 0 if it
+        never does (or `copies` is "native")."""
+        return 0 if copies == "native" else self._wins_up_to("f_linear", copies)
+
+    def kernel_max_rows(self, copies: str) -> int:
         """The small-rows kernel's rows, from 1 up as far as its summed times beat what serves those rows without it
-        (`_summed_wins_up_to`): the fp32 copies or F.linear, whichever is faster (`via_fp32`), else oneDNN's bf16
-        copies (F.linear where bf16 is not packed); 0 for none."""
+        (`_summed_wins_up_to`): `copies` or F.linear, whichever is faster, or for "native" oneDNN's bf16 copies
+        (F.linear where bf16 is not packed); 0 for none."""
         if "small" not in self.seconds:
             return 0
-        if via_fp32:
-            return self._summed_wins_up_to(("via_fp32", "f_linear"))
+        if copies != "native":
+            return self._summed_wins_up_to((copies, "f_linear"))
         return self._summed_wins_up_to(("onednn" if "onednn" in self.seconds else "f_linear",))
 
 
@@ -179,12 +200,12 @@ def probe_shape() -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _probe_weights(dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """PROBE_WEIGHTS random weights of the probe's shape and an input of max(BATCH_ROWS) rows, in `dtype`."""
+def _probe_weights(dtype: torch.dtype, rows: int = max(BATCH_ROWS)) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """PROBE_WEIGHTS random weights of the probe's shape and an input of `rows` rows, in `dtype`."""
     out, width = probe_shape()
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out, width, generator=g) / width ** 0.5).to(dtype) for _ in range(PROBE_WEIGHTS)]
-    return weights, torch.randn(max(BATCH_ROWS), width, generator=g).to(dtype)
+    return weights, torch.randn(rows, width, generator=g).to(dtype)
 
 
 def _best_of(calls: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
@@ -226,15 +247,18 @@ def time_linears(onednn_pack: Callable[[torch.Tensor], torch.Tensor],
 
 
 def time_bf16(onednn_pack: Callable[[torch.Tensor], torch.Tensor], bf16_packs: bool,
-              small_matmul: Linear | None = None) -> Bf16Timings:
+              small_matmul: Linear | None = None,
+              panel_pack: Callable[[torch.Tensor], object] | None = None) -> Bf16Timings:
     """Time bf16 linears at SMALL_ROWS and BATCH_ROWS rows: F.linear on the bf16 weights, `onednn_pack`'s copies of
     their fp32 values (`via_fp32`) and, where oneDNN packs bf16 (`bf16_packs`), its bf16 copies; where given, the
-    small-rows kernel on the bf16 weights at SMALL_KERNEL_ROWS."""
-    weights, x = _probe_weights(torch.bfloat16)
+    small-rows kernel on the bf16 weights at SMALL_KERNEL_ROWS, and the panels (`panel_pack`:
+    panel_packed.PanelWeight), which are timed with the copies at PREFILL_ROWS too."""
+    weights, x = _probe_weights(torch.bfloat16, PREFILL_ROWS if panel_pack is not None else max(BATCH_ROWS))
     backends: dict[str, Callable[[torch.Tensor], list]] = {
         "f_linear": lambda xs: [F.linear(xs, w) for w in weights],
         "via_fp32": _over([onednn_pack(w.float()) for w in weights], via_fp32)}
-    limited = {"onednn": BATCH_ROWS}  # only the batch rows decide between bf16 arithmetic and the copies
+    decode_rows = (*SMALL_ROWS, *BATCH_ROWS)
+    limited = {"f_linear": decode_rows, "onednn": BATCH_ROWS}  # the batch rows decide bf16 arithmetic or copies
     if bf16_packs:
         backends["onednn"] = _over([onednn_pack(w) for w in weights],
                                    lambda xs, p: torch.ops.mkldnn._linear_pointwise(xs, p, None, "none", [], ""))
@@ -243,7 +267,12 @@ def time_bf16(onednn_pack: Callable[[torch.Tensor], torch.Tensor], bf16_packs: b
         limited["small"] = SMALL_KERNEL_ROWS
         if bf16_packs:  # what the kernel would replace at its rows
             limited["onednn"] = tuple(sorted({*BATCH_ROWS, *SMALL_KERNEL_ROWS}))
-    return Bf16Timings(_timed(backends, x, (*SMALL_ROWS, *BATCH_ROWS), limited, BF16_REPEATS))
+    rows = decode_rows
+    if panel_pack is not None:
+        backends["panels"] = _over([panel_pack(w) for w in weights], lambda xs, p: p.linear(xs))
+        limited["onednn"] = (*limited["onednn"], PREFILL_ROWS)
+        rows = (*rows, PREFILL_ROWS)
+    return Bf16Timings(_timed(backends, x, rows, limited, BF16_REPEATS))
 
 
 def _timed(backends: dict[str, Callable[[torch.Tensor], list]], x: torch.Tensor, rows_timed: tuple[int, ...],

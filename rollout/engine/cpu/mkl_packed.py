@@ -83,10 +83,15 @@ class MklPackedWeight:
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
     def repack(self, weight: torch.Tensor) -> None:
-        """Pack the current values of `weight` (same shape) into this buffer."""
-        if tuple(weight.shape) != self.shape:
-            raise ValueError(f"repack of a {self.shape} pack with a weight of shape {tuple(weight.shape)}")
+        """Pack the current values of `weight` (same shape, fp32) into this buffer."""
+        if tuple(weight.shape) != self.shape or weight.dtype != torch.float32:
+            raise ValueError(f"repack of an fp32 {self.shape} pack with a {weight.dtype} weight of shape "
+                             f"{tuple(weight.shape)}")
         weight = weight.detach().contiguous()
         self._pack(_ROW_MAJOR, _B_MATRIX, _TRANS, PACK_ROWS_HINT, self.out_features, self.in_features, 1.0,
                    weight.data_ptr(), self.in_features, self.buffer.data_ptr())

@@ -1,17 +1,16 @@
 """Prepacked copies of the model's fp32/bf16 linear weights (oneDNN's, or for fp32 MKL's where those measure faster),
 used for the engine's forward on CPU.
 
-Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored. oneDNN's matmul on a weight reordered once
-into its blocked layout is faster at the batch sizes that carry the work (benchmarks/RESULTS.md, "Linears"), and it is
-plain fp32 arithmetic (no TF32/bf16 shortcuts); MKL's own packed sgemm (mkl_packed.py) packs them where timed faster
-still. Below that, the weights' streaming from memory decides: F.linear (MKL's sgemv) serves steps of 1-2 rows where
-timed faster than the copies, and steps of a few rows run the C kernel csrc/small_matmul.c where it is built and timed
+Why: for fp32 on CPU, `F.linear` runs MKL sgemm on the weight as stored; oneDNN's matmul on a weight reordered once
+into its blocked layout is faster at the batch sizes that carry the work (benchmarks/RESULTS.md, "Linears"), in plain
+fp32 arithmetic, and MKL's own packed sgemm (mkl_packed.py) faster still where timed so. At a few rows the weights'
+streaming from memory decides: F.linear (MKL's sgemv) or the C kernel csrc/small_matmul.c serve them where timed
 faster (features.py, SMALL_MATMUL_ROWS). Stacked copies (`stacked_for`) serve the compiled forward's linears of one
 input as one matmul, and with MKL's copies a gated MLP's gate and up projections. bf16 packed and bucketed
-(row_buckets.py) is a little faster than unpacked, and bounded in oneDNN's JIT kernels. Where the CPU has no bf16 dot
-products oneDNN emulates bf16, and bf16 weights get fp32 copies instead where those are timed faster (features.py,
-ENV_BF16_VIA_FP32): `run` widens the input and rounds each output back to bf16; steps of a few rows then run the C
-kernel on the bf16 weights (half the bytes), where timed faster.
+(row_buckets.py) is a little faster than unpacked. Where the CPU has no bf16 dot products oneDNN emulates bf16, and
+bf16 weights get, where timed faster, fp32 copies (ENV_BF16_VIA_FP32: `run` widens the input and rounds each output
+back to bf16) or panels of their bf16 values for csrc/panel_matmul.c (panel_packed.py: no fp32 copy in RAM, stacked
+like MKL's); steps of a few rows run small_matmul.c on the bf16 weights, where timed faster.
 
 How, without changing the model: around the engine's forward only, each plain `nn.Linear` gets an instance-level
 `forward` that uses the packed copy, removed again right after; the override also checks that it runs on the thread
@@ -20,16 +19,14 @@ recognized SiLU-gated MLP (silu_gate.py) gets one too, running its gate and up p
 packed matmuls. (A TorchFunctionMode would do the same without touching instances, but taxes every op.) Copies are
 keyed by the weight tensor and its version counter, so an optimizer step on a shared module (in-place writes bump the
 counter) refreshes it on the next forward; writes through `.data` do not, so every weight update through the engine
-(`set_weight_version`, which `update_weights` calls) marks all copies stale. A stale copy is refreshed in its existing
-buffer along the layout packed_layout.py derived and verified for its shape and dtype (a fraction of a full repack:
-benchmarks/RESULTS.md, "RL layer"), else repacked in full; MKL's copies are repacked in their own buffers. A freed
-weight frees its copy, and a weight update drops the copies of weights no longer in the model. The cost is one extra
-copy of the linear weights in RAM.
+(`set_weight_version`, which `update_weights` calls) marks all copies stale. A stale copy is rewritten in its own
+buffer (oneDNN's along the layout packed_layout.py derived and verified for its shape and dtype: a fraction of a full
+repack, benchmarks/RESULTS.md, "RL layer"), else repacked in full. A freed weight frees its copy, and a weight update
+drops the copies of weights no longer in the model. The cost is one extra copy of the linear weights in RAM.
 
 Which dtypes: decided once per process by cpu/features.py, which packs a small weight of each dtype and checks the
-result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (elsewhere bf16 runs on fp32 copies
-where timed faster, else `F.linear`). An explicit `prepack_weights=True` for a model whose dtype cannot be served here
-is a ValueError (features.require_packing) rather than a silent no-op.
+result. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT. An explicit `prepack_weights=True`
+for a model whose dtype cannot be served here is a ValueError (features.require_packing), not a silent no-op.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +43,11 @@ from rollout.engine.cpu import kernel as cpu_kernel
 from rollout.engine.cpu import mkl_packed
 from rollout.engine.cpu.features import PACK_BATCH_HINT, PACKED_DTYPES, cpu_features, linear_dtypes, unpacked_max_rows
 from rollout.engine.cpu.heap import release_free_memory
+from rollout.engine.cpu.matmuls import small_matmul
 from rollout.engine.cpu.mkl_packed import MklPackedWeight
-from rollout.engine.cpu.packed_copy import PackedCopy, packed_dtype, stacked_values
-from rollout.engine.cpu.row_buckets import PACKED_MAX_ROWS, padded_rows
+from rollout.engine.cpu.packed_copy import OWN_LAYOUTS, Packed, PackedCopy, stacked_values
+from rollout.engine.cpu.panel_packed import PanelWeight
+from rollout.engine.cpu.row_buckets import PaddedRows
 from rollout.engine.cpu.silu_gate import is_silu_gated_mlp
 
 # A widened temporary above this many bytes comes from its own mmap (glibc's largest mmap threshold), not the heap
@@ -90,15 +89,16 @@ class PackedLinears:
                  mkl: bool | None = None, bf16_via_fp32: bool | None = None) -> None:
         self.model = model
         features = cpu_features()
-        # bf16 on fp32 copies (None: where timed faster, for a model with bf16 linears), and the route's small steps
-        self.bf16_unpacked_max_rows = self.bf16_kernel_max_rows = 0
+        # bf16 on fp32 copies (None: as the route says for a model with bf16 linears) or panels, and the small steps
+        self.bf16_unpacked_max_rows, self.bf16_kernel_max_rows, panels = 0, 0, False
         if bf16_via_fp32 is None and torch.bfloat16 in linear_dtypes(model) & (dtypes or {torch.bfloat16}):
-            route = features.bf16_route
+            route, built = features.bf16_route, cpu_kernel.load_kernel() is not None
             bf16_via_fp32, self.bf16_unpacked_max_rows = route.via_fp32, route.unpacked_max_rows
-            self.bf16_kernel_max_rows = route.kernel_max_rows if cpu_kernel.load_kernel() is not None else 0
+            self.bf16_kernel_max_rows, panels = (route.kernel_max_rows, route.panels) if built else (0, False)
         self.via_fp32 = frozenset({torch.bfloat16}) if bf16_via_fp32 and features.packs(torch.float32) else frozenset()
+        self.panels = frozenset({torch.bfloat16}) if panels else frozenset()
         # the weight dtypes packed; the others keep F.linear (default: those this CPU can pack, see cpu/features.py)
-        self.dtypes = frozenset(PACKED_DTYPES) & (features.packed_dtypes | self.via_fp32) & (
+        self.dtypes = frozenset(PACKED_DTYPES) & (features.packed_dtypes | self.via_fp32 | self.panels) & (
             frozenset(PACKED_DTYPES) if dtypes is None else dtypes)
         self._packs: dict[int, PackedCopy] = {}  # by id(weight)
         # stacked copies (`stacked_for`) by the ids of their weights; a weight in one is not packed on its own
@@ -106,20 +106,19 @@ class PackedLinears:
         self._epoch = 0
         self._overrides: list[tuple[torch.nn.Linear, object]] | None = None
         self._active = threading.local()
-        self._pads: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._pads = PaddedRows()  # oneDNN's inputs padded to their row bucket
         self._widened = False  # fp32 copies were packed from widened temporaries since the last release
-        # per forward: id(weight) -> packed copy, and what it was built from (epoch; module, weight, version each)
-        self._table: dict[int, torch.Tensor] = {}
-        self._checked: tuple[int, list] | None = None
+        self._table: dict[int, Packed] = {}  # per forward: id(weight) -> packed copy; what it was built from:
+        self._checked: tuple[int, list] | None = None  # (epoch; module, weight, version each)
         # Set by use_mkl: `mkl` (fp32 packed by MKL: mkl_packed.py), `gate_dtypes` (gated MLPs whose gate and up run as
         # one op), `unpacked_max_rows` (fp32 inputs of at most this many rows on F.linear), `small_matmul` and
         # `small_rows` (fp32 inputs of those rows on the small-rows kernel; not with MKL's copies, faster there).
         self.use_mkl(cpu_features().mkl_packed if mkl is None else mkl)
 
-    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+    def _packed(self, weight: torch.Tensor) -> Packed:
         return self._pack_of((weight,), self._packs, id(weight))
 
-    def _pack_of(self, weights: tuple[torch.Tensor, ...], store: dict, key) -> torch.Tensor:
+    def _pack_of(self, weights: tuple[torch.Tensor, ...], store: dict, key) -> Packed:
         """The current packed copy of `weights` (stacked when several) kept in `store[key]`: reused, refreshed in
         place, or packed anew."""
         entry = store.get(key)
@@ -145,7 +144,7 @@ class PackedLinears:
             raise ValueError(f"MKL's packed sgemm is unavailable here: {mkl_packed.unavailable_reason()}")
         features = cpu_features()
         self.mkl = enabled and torch.float32 in self.dtypes
-        self.gate_dtypes = features.gate_dtypes_for(self.mkl)
+        self.gate_dtypes = features.gate_dtypes_for(self.mkl) | self.panels
         self.small_matmul = (features.small_matmul_kernel and torch.float32 in self.dtypes and not self.mkl
                              and cpu_kernel.load_kernel() is not None)  # the library may have gone since detection
         self.small_rows = features.small_matmul_rows
@@ -156,7 +155,7 @@ class PackedLinears:
         self._stacks.clear()
         self._overrides = self._checked = None
 
-    def _new_pack(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
+    def _new_pack(self, values: torch.Tensor) -> Packed:
         return self._pack_values(values.float() if values.dtype in self.via_fp32 else values)
 
     def _release_widened(self) -> None:
@@ -166,16 +165,20 @@ class PackedLinears:
             self._widened = False
             release_free_memory()
 
-    def _pack_values(self, values: torch.Tensor) -> torch.Tensor | MklPackedWeight:
+    def _pack_values(self, values: torch.Tensor) -> Packed:
+        if values.dtype in self.panels:
+            return PanelWeight(values)
         if self.mkl and values.dtype == torch.float32:
             return MklPackedWeight(values)
         return torch.ops.mkldnn._reorder_linear_weight(values, PACK_BATCH_HINT)
 
     def load(self, weight: torch.Tensor, value: torch.Tensor) -> bool:
-        """A weight update's copy of `value` into `weight`, writing the weight's packed copy from `value` in the same
-        pass where it has one with a verified layout (PackedCopy.load_in_place); False, with nothing written,
-        otherwise. Pass the ids of the weights it loaded to the `clear` that follows, which keeps their copies."""
-        entry = self._packs.get(id(weight))
+        """A weight update's copy of `value` into `weight`, writing the weight's packed copy (its own, or a stack's
+        with it) from `value` in the same pass where it can (PackedCopy.load_in_place); False, with nothing written,
+        otherwise. Pass the ids of the weights it loaded to the `clear` that follows, which keeps their copies (a
+        stack's once all its members are among them)."""
+        entry = self._packs.get(id(weight)) or next(
+            (stack for key, stack in self._stacks.items() if id(weight) in key), None)
         return entry is not None and entry.load_in_place(weight, value)
 
     def clear(self, fresh: Collection[int] = ()) -> None:
@@ -184,8 +187,9 @@ class PackedLinears:
         `load` wrote, with their copies), drop the copies of weights no longer in the model, and forget the module
         list."""
         self._epoch += 1
-        for key in fresh:
-            entry = self._packs.get(key)
+        fresh = set(fresh)
+        stacks = [entry for key, entry in self._stacks.items() if fresh >= set(key)]
+        for entry in [self._packs.get(key) for key in fresh] + stacks:
             if entry is not None:
                 entry.epoch = self._epoch
         self._pads.clear()
@@ -217,50 +221,24 @@ class PackedLinears:
     def _packable(self, weight: torch.Tensor) -> bool:
         return weight.dtype in self.dtypes and weight.device.type == "cpu" and weight.layout == torch.strided
 
-    def _pad_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reusable input buffer per bucket. Its tail rows hold whatever earlier calls left: matmul rows are
-        independent, and the outputs of padding rows are cut off."""
-        buf = self._pads.get((rows, width, dtype))
-        if buf is None:
-            buf = self._pads[(rows, width, dtype)] = torch.zeros(rows, width, dtype=dtype)
-        return buf
-
-    def _padded(self, flat: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`compute` on `flat` with its rows padded up to their bucket (the padding rows' outputs cut off)."""
-        rows, padded = flat.shape[0], padded_rows(flat.shape[0])
-        if padded != rows:
-            buf = self._pad_buffer(padded, flat.shape[1], flat.dtype)
-            buf[:rows].copy_(flat)
-            return compute(buf)[:rows]
-        return compute(flat.contiguous())
-
-    def _row_wise(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`compute` (rows in, rows out) over the rows of `x`, in chunks of at most PACKED_MAX_ROWS rows."""
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= PACKED_MAX_ROWS:
-            out = self._padded(flat, compute)
-        else:
-            out = torch.cat([self._padded(chunk, compute) for chunk in flat.split(PACKED_MAX_ROWS)])
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    def run(self, x: torch.Tensor, packed: torch.Tensor | MklPackedWeight,
-            bias: torch.Tensor | None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T + bias` on the packed copy of W (from `packed_for`); a bf16 `x` on an fp32 copy is widened, and
         the result rounded back to bf16 (as a bf16 matmul rounds its fp32 sums)."""
-        if self.via_fp32 and x.dtype != packed_dtype(packed):  # (an fp32-only engine skips the check)
+        if self.via_fp32 and x.dtype != packed.dtype:  # (an fp32-only engine skips the check)
             wide = self.run(x.float(), packed, None if bias is None else bias.float())
             return wide.to(x.dtype)
-        if isinstance(packed, MklPackedWeight):
+        if isinstance(packed, OWN_LAYOUTS):
             return packed.linear(x, bias)  # any row count: no padding, no chunks
-        return self._row_wise(x, lambda rows: _LINEAR_POINTWISE(rows, packed, bias, "none", [], ""))
+        return self._pads.run(x, lambda rows: _LINEAR_POINTWISE(rows, packed, bias, "none", [], ""))
 
-    def run_silu_gate(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor] | MklPackedWeight,
+    def run_silu_gate(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor] | Packed,
                       gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:
         """`silu(x @ Wg.T + bg) * (x @ Wu.T + bu)` on the packed copies from `silu_gate_for`. oneDNN's pair: the SiLU
         is a post-op of the gate's matmul and the product a post-op of the up projection's, so the gated MLP's two
         `[rows, intermediate]` activations are never read back by separate passes (benchmarks/RESULTS.md,
-        "Prefill"). MKL's copy of the two weights stacked: one matmul, then the SiLU and product."""
-        if isinstance(packed, MklPackedWeight):
+        "Prefill"). MKL's copy or panels of the two weights stacked: one matmul, then the SiLU and product (for bf16
+        rounded where eager rounds them)."""
+        if isinstance(packed, OWN_LAYOUTS):
             bias = None if gate_bias is None and up_bias is None else torch.cat(
                 [b if b is not None else x.new_zeros(packed.out_features // 2) for b in (gate_bias, up_bias)])
             gate, up = packed.linear(x, bias).chunk(2, dim=-1)
@@ -270,7 +248,7 @@ class PackedLinears:
         def compute(rows: torch.Tensor) -> torch.Tensor:
             gated = _LINEAR_POINTWISE(rows, gate_packed, gate_bias, "swish", [], "")
             return _LINEAR_BINARY(rows, gated, up_packed, up_bias, "mul")
-        return self._row_wise(x, compute)
+        return self._pads.run(x, compute)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` through the packed copy of `weight` (packed or refreshed now if needed)."""
@@ -280,7 +258,7 @@ class PackedLinears:
         """`F.linear(x, weight, bias)` where no packed copy serves it (`packed_for` gave None); inside a forward on
         this thread, inputs of the rows the small-rows kernel serves in their dtype run it on the weight as stored."""
         if self._small_matmul_serves(x, weight, bias):
-            return cpu_kernel.small_matmul(x, weight, bias)
+            return small_matmul(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _kernel_rows(self, dtype: torch.dtype) -> tuple[int, int] | None:
@@ -322,11 +300,11 @@ class PackedLinears:
         kernel = self._kernel_rows(x.dtype)
         if kernel is not None and kernel[0] <= rows <= kernel[1]:
             return False
-        if x.dtype in self.via_fp32:
+        if x.dtype in self.via_fp32 | self.panels:
             return rows > self.bf16_unpacked_max_rows
         return x.dtype != torch.float32 or rows > self.unpacked_max_rows
 
-    def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    def stacked_for(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> Packed | None:
         """Inside a forward on this thread: one packed copy of `weights` stacked along their output rows, so that
         their linears of the one input `x` run as one matmul (`run`, then split the columns); None where they must
         run apart (the conditions of `packed_for`, and bf16 on fp32 copies: oneDNN blocks a wider fp32 matmul's sums
@@ -351,14 +329,14 @@ class PackedLinears:
         return packed
 
     def silu_gate_for(self, x: torch.Tensor, gate_weight: torch.Tensor,
-                      up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | MklPackedWeight | None:
-        """The packed copies that serve `run_silu_gate(x, ...)`: MKL's copy of both weights stacked (`stacked_for`),
-        or oneDNN's two; None where the two linears must run apart: either is not packed here (see `packed_for`), or
-        this CPU's oneDNN failed the fused probe for the dtype (cpu_features; fp32 only: bf16 keeps eager's rounding
-        of the gate before the SiLU)."""
+                      up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Packed | None:
+        """The packed copies that serve `run_silu_gate(x, ...)`: MKL's copy or panels of both weights stacked
+        (`stacked_for`), or oneDNN's two; None where the two linears must run apart: either is not packed here (see
+        `packed_for`), or this CPU's oneDNN failed the fused probe for the dtype (cpu_features; fp32 only: bf16 keeps
+        eager's rounding of the gate before the SiLU)."""
         if x.dtype not in self.gate_dtypes:
             return None
-        if self.mkl and x.dtype == torch.float32:
+        if (self.mkl and x.dtype == torch.float32) or x.dtype in self.panels:
             if gate_weight.shape != up_weight.shape:
                 return None
             return self.stacked_for(x, (gate_weight, up_weight))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from rollout.engine.cpu.features import PACK_BATCH_HINT
 
 # oneDNN keeps a few MiB per distinct row count it has seen (its JIT kernels): rows are padded up to a bucket (powers of
@@ -23,3 +27,35 @@ def padded_rows(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
     step = ROW_BUCKET if rows <= PACK_BATCH_HINT else WIDE_ROW_BUCKET
     return -(-rows // step) * step
+
+
+class PaddedRows:
+    """Runs a rows-in, rows-out computation (a packed matmul) on inputs padded up to their bucket, in chunks of at
+    most PACKED_MAX_ROWS rows, with one reusable input buffer per bucket. A buffer's tail rows hold whatever earlier
+    calls left: matmul rows are independent, and the outputs of padding rows are cut off."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+    def _padded(self, flat: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        rows, padded = flat.shape[0], padded_rows(flat.shape[0])
+        if padded == rows:
+            return compute(flat.contiguous())
+        key = (padded, flat.shape[1], flat.dtype)
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = torch.zeros(padded, flat.shape[1], dtype=flat.dtype)
+        buf[:rows].copy_(flat)
+        return compute(buf)[:rows]
+
+    def run(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`compute` over the rows of `x` (any leading dims), padded and chunked as above."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= PACKED_MAX_ROWS:
+            out = self._padded(flat, compute)
+        else:
+            out = torch.cat([self._padded(chunk, compute) for chunk in flat.split(PACKED_MAX_ROWS)])
+        return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,7 +1,8 @@
 """bf16 end to end, on whatever CPU runs the suite: the generator, the server and the TRL hook.
 
 On AVX2-only CPUs oneDNN cannot pack bf16 weights; the engine must then keep F.linear for them, or compute them on
-fp32 copies where the start-up probe timed those faster, and give the same tokens (up to bf16 near-ties). Each test
+fp32 copies or bf16 panels where the start-up probe timed those faster, and give the same tokens (up to bf16
+near-ties). Each test
 runs both with this machine's real capabilities and with bf16 packing reported unsupported, so the AVX2 path is
 exercised on every machine (and `benchmarks/emulated_cpu_check.sh -c EPYC-Rome tests/engine/cpu/test_bf16.py` runs it
 on an emulated AVX2 CPU for real).
@@ -13,7 +14,9 @@ from datasets import Dataset
 from fastapi.testclient import TestClient
 
 from rollout import ContinuousBatchingConfig, RolloutGenerator, SamplingParams
-from rollout.engine.cpu.features import cpu_features
+from rollout.engine.cpu.features import ENV_BF16_PANELS, cpu_features
+from rollout.engine.cpu.kernel import load_kernel
+from rollout.engine.cpu.panel_packed import PanelWeight
 from rollout.server import create_app
 from tests.helpers.models import greedy_reference, tiny_model
 from tests.helpers.tokenizers import tiny_tokenizer
@@ -22,11 +25,16 @@ CB = ContinuousBatchingConfig(page_size=8, num_blocks=128)
 NEW = 6
 
 
-@pytest.fixture(params=["this-cpu", "avx2"])
-def cpu(request, fresh_detection):
-    """This CPU as detected, or oneDNN behaving as on an AVX2-only CPU (bf16 packing raises torch's error)."""
+@pytest.fixture(params=["this-cpu", "avx2", "panels"])
+def cpu(request, fresh_detection, monkeypatch):
+    """This CPU as detected, oneDNN behaving as on an AVX2-only CPU (bf16 packing raises torch's error), or bf16
+    linears on panels (ROLLOUT_BF16_PANELS=1, where the C library builds)."""
     if request.param == "avx2":
         request.getfixturevalue("avx2_machine")
+    if request.param == "panels":
+        if load_kernel() is None:
+            pytest.skip("the C kernels do not build here")
+        monkeypatch.setenv(ENV_BF16_PANELS, "1")
     return request.param
 
 
@@ -50,9 +58,11 @@ def test_generator_bf16_greedy_equals_generate(cpu):
     copies = getattr(packs, "_packs", {})
     assert bool(copies) == (torch.bfloat16 in features.served_dtypes), \
         "bf16 weights packed iff this CPU packs them or their fp32 copies"
-    # the copies compute in fp32 where the probe chose that route, else in bf16
+    # the copies compute in fp32 where the probe chose that route, else in bf16 (panels, or oneDNN's bf16 copies)
     assert {entry.packed.dtype for entry in copies.values()} <= {
         torch.float32 if features.bf16_via_fp32 else torch.bfloat16}
+    assert features.bf16_route.panels or cpu != "panels"  # elsewhere as timed
+    assert all(isinstance(entry.packed, PanelWeight) for entry in copies.values()) == features.bf16_route.panels
 
 
 def test_server_bf16_completion_and_health(cpu):

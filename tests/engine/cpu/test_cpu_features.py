@@ -22,6 +22,7 @@ from rollout.engine.cpu.features import (
 )
 from rollout.engine.cpu.linear_timing import (
     ENV_PROBE_SHAPE,
+    PREFILL_ROWS,
     PROBE_IN,
     PROBE_OUT,
     Bf16Timings,
@@ -136,12 +137,12 @@ def test_bf16_route_is_chosen_by_the_clocks():
     row counts below them where it beats the copies."""
     emulated = _bf16_timings(f_linear=[1.0, 1.3, 2.6, 3.8, 10.5], via_fp32=[1.2, 1.3, 1.3, 1.8, 3.5],
                              onednn=[0.8, 1.5, 2.0, 3.2, 9.9])  # an Ice Lake Xeon: no bf16 dot products
-    assert emulated.via_fp32_wins() and emulated.unpacked_max_rows() == 1
+    assert emulated.via_fp32_wins() and emulated.copies() == "via_fp32" and emulated.unpacked_max_rows("via_fp32") == 1
     native = _bf16_timings(f_linear=[1.0, 1.1, 1.2, 1.3, 2.0], via_fp32=[1.2, 1.3, 1.3, 1.8, 3.5],
                            onednn=[0.8, 0.8, 0.9, 1.0, 1.5])  # bf16 dot products: oneDNN's bf16 copies win
-    assert not native.via_fp32_wins()
+    assert not native.via_fp32_wins() and native.copies() == "native" and native.unpacked_max_rows("native") == 0
     near_tie = _bf16_timings(f_linear=[1.0] * 5, via_fp32=[0.95] * 5)  # within the margin: bf16 stays
-    assert not near_tie.via_fp32_wins() and near_tie.unpacked_max_rows() == 0
+    assert not near_tie.via_fp32_wins() and near_tie.unpacked_max_rows("via_fp32") == 0
 
 
 def test_the_small_rows_kernel_takes_bf16_rows_from_one_up_while_its_summed_times_win():
@@ -150,13 +151,43 @@ def test_the_small_rows_kernel_takes_bf16_rows_from_one_up_while_its_summed_time
     small = {"small": dict(zip((1, 2, 4, 8), [0.6, 0.7, 0.9, 1.1]))}
     ice_lake = Bf16Timings({**_bf16_timings(f_linear=[0.74, 1.1, 2.7, 3.9, 10.3], via_fp32=[1.0, 1.1, 1.3, 1.7, 3.3],
                                             onednn=[0.75, 1.5, 2.1, 3.3, 9.9]).seconds, **small})
-    assert ice_lake.via_fp32_wins() and ice_lake.kernel_max_rows(True) == 8
+    assert ice_lake.via_fp32_wins() and ice_lake.kernel_max_rows("via_fp32") == 8
     slow_at_eight = Bf16Timings({**ice_lake.seconds, "small": {**small["small"], 8: 4.0}})
-    assert slow_at_eight.kernel_max_rows(True) == 4  # summed to 8 rows: 6.2 against 4.45
+    assert slow_at_eight.kernel_max_rows("via_fp32") == 4  # summed to 8 rows: 6.2 against 4.45
     native = _bf16_timings(f_linear=[1.0] * 5, via_fp32=[1.2] * 5, onednn=[0.5, 0.5, 0.6, 0.6, 1.0])
     amx = Bf16Timings({**native.seconds, **small})  # bf16 dot products: oneDNN's bf16 copies, faster than the kernel
-    assert not amx.via_fp32_wins() and amx.kernel_max_rows(False) == 0
-    assert _bf16_timings(f_linear=[1.0] * 5, via_fp32=[1.0] * 5).kernel_max_rows(True) == 0  # not built: not timed
+    assert not amx.via_fp32_wins() and amx.kernel_max_rows("native") == 0
+    assert _bf16_timings(f_linear=[1.0] * 5, via_fp32=[1.0] * 5).kernel_max_rows("via_fp32") == 0  # not built
+
+
+def _with_panels(timings: Bf16Timings, panels, prefill: dict[str, float]) -> Bf16Timings:
+    """`timings` plus panels at rows 1, 2, 4, 8, 32 and every backend in `prefill` at PREFILL_ROWS."""
+    seconds = {name: dict(by_rows) for name, by_rows in timings.seconds.items()}
+    seconds["panels"] = dict(zip((1, 2, 4, 8, 32), panels))
+    for name, s in prefill.items():
+        seconds[name][PREFILL_ROWS] = s
+    return Bf16Timings(seconds)
+
+
+def test_bf16_panels_are_chosen_by_the_clocks():
+    """The panels serve bf16 where they beat every other path by the margin at the batch rows and keep within the
+    margin of the fastest at a prefill chunk's rows (a near-tie there goes to them: no fp32 copy in RAM); the
+    small-rows kernel and F.linear then take only the small rows where they beat the panels."""
+    small = {"small": dict(zip((1, 2, 4, 8), [1.0, 1.06, 1.25, 1.97]))}
+    ice_lake = Bf16Timings({**_bf16_timings(f_linear=[1.24, 1.78, 4.4, 6.9, 20.3], via_fp32=[2.6, 2.4, 2.6, 3.0, 5.5],
+                                            onednn=[1.4, 2.6, 3.9, 6.1, 19.2]).seconds, **small})
+    measured = _with_panels(ice_lake, [1.14, 1.17, 1.26, 1.35, 3.9], {"via_fp32": 28.5, "onednn": 142, "panels": 28.5})
+    assert measured.panels_win() and measured.copies() == "panels"
+    # the kernel summed to 2 rows: 2.06 against 0.9 * 2.31; to 4: 3.31 against 0.9 * 3.57
+    assert measured.kernel_max_rows("panels") == 2 and measured.unpacked_max_rows("panels") == 0
+    slow_prefill = _with_panels(ice_lake, [1.14, 1.17, 1.26, 1.35, 3.9], {"via_fp32": 25.0, "panels": 28.5})
+    assert not slow_prefill.panels_win() and slow_prefill.copies() == "via_fp32"  # 28.5 > 25 / 0.9
+    near_tie = _with_panels(ice_lake, [1.14, 1.17, 1.26, 2.8, 5.2], {"via_fp32": 28.5, "panels": 28.5})
+    assert not near_tie.panels_win()  # within the margin at 8 and 32 rows: the copies stay
+    amx = _with_panels(_bf16_timings(f_linear=[1.0] * 5, via_fp32=[1.2] * 5, onednn=[0.5, 0.5, 0.6, 0.6, 1.0]),
+                       [1.0, 1.0, 1.0, 1.0, 2.0], {"via_fp32": 20.0, "onednn": 6.0, "panels": 15.0})
+    assert amx.copies() == "native"  # bf16 dot products: oneDNN's bf16 copies
+    assert not ice_lake.panels_win()  # not built: not timed
 
 
 @pytest.mark.parametrize("value", ["", "96x48", " 96X48 ", "96", "0x48", "ax48", "96x48x2"])

@@ -63,7 +63,8 @@ def test_repack_writes_the_new_weight_into_the_same_buffer():
     assert torch.equal(packed.linear(x), MklPackedWeight(new).linear(x))
     packed.repack(new.t().contiguous().t())  # a transposed view: its values, whatever the strides
     assert torch.equal(packed.linear(x), MklPackedWeight(new).linear(x))
-    with pytest.raises(ValueError, match=r"repack of a \(100, 31\) pack with a weight of shape \(31, 100\)"):
+    with pytest.raises(ValueError, match=r"repack of an fp32 \(100, 31\) pack with a torch.float32 weight of shape "
+                                         r"\(31, 100\)"):
         packed.repack(new.t())
 
 

@@ -18,7 +18,8 @@ from transformers import GenerationConfig
 from rollout import ContinuousBatchingConfig, LLMEngine
 from rollout.engine.cpu import features, mkl_packed, packed_layout, packed_linear
 from rollout.engine.cpu.features import SMALL_MATMUL_ISAS, SMALL_MATMUL_ROWS, cpu_features, isa_flags
-from rollout.engine.cpu.kernel import load_kernel, small_matmul
+from rollout.engine.cpu.kernel import load_kernel
+from rollout.engine.cpu.matmuls import small_matmul
 from rollout.engine.cpu.packed_copy import PackedCopy
 from rollout.engine.cpu.packed_linear import PACK_BATCH_HINT, PackedLinears, packing_available
 from tests.helpers.models import greedy_reference, random_prompts, run_engine, tiny_model
@@ -160,7 +161,7 @@ def test_packed_forward_equals_f_linear_for_any_row_count(rows):
     x = torch.randn(1, rows, 48)
     with torch.inference_mode(), linears:
         first = layer(x)
-        for buf in linears._pads.values():
+        for buf in linears._pads.buffers.values():
             buf.fill_(float("nan"))  # stale padding rows, at their worst
         out = layer(x)
     assert torch.equal(first, out)
@@ -269,7 +270,8 @@ def test_small_matmul_has_the_same_bits_on_every_target(march):
         pytest.skip("needs the C kernels on an x86-64 CPU")
     if march == "x86-64-v3" and not {"avx2", "fma3"} <= set(isa_flags()):
         pytest.skip("an x86-64-v3 build needs an AVX2 + FMA CPU")
-    code = ("import sys, torch; from rollout.engine.cpu.kernel import small_matmul, kernel_build; "
+    code = ("import sys, torch; from rollout.engine.cpu.kernel import kernel_build; "
+            "from rollout.engine.cpu.matmuls import small_matmul; "
             "from tests.engine.cpu.test_packed_linear import _small_matmul_cases; "
             "torch.save([small_matmul(*case) for case in _small_matmul_cases()], sys.argv[1]); "
             "print(kernel_build().march)")

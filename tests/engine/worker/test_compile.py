@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from rollout import ContinuousBatchingConfig, RolloutGenerator
 from rollout.engine.cpu import features
-from rollout.engine.cpu.features import ENV_BF16_VIA_FP32, Bf16Route
+from rollout.engine.cpu.features import ENV_BF16_PANELS, ENV_BF16_VIA_FP32, Bf16Route
 from rollout.engine.cpu.kernel import load_kernel
 from rollout.engine.cpu.packed_linear import packing_available
 from rollout.engine.engine import LLMEngine
@@ -281,17 +281,21 @@ def test_level3_static_with_padding_equals_generate(models, kind):
     assert compiled.num_compiles == before
 
 
-@pytest.mark.parametrize("via_fp32", ["0", "1", "kernel"], ids=["bf16 copies", "fp32 copies", "small-rows kernel"])
+@pytest.mark.parametrize("via_fp32", ["0", "1", "kernel", "panels"],
+                         ids=["bf16 copies", "fp32 copies", "small-rows kernel", "panels"])
 def test_bf16_compiled_equals_eager(models, via_fp32, fresh_detection, monkeypatch):
     """bf16 rounds where eager rounds (inductor's emulate_precision_casts): the same tokens and logprobs as level 0,
     where plain inductor keeps fused intermediates in fp32 and samples other tokens. Also with bf16 linears on fp32
-    copies at every row count (ROLLOUT_BF16_VIA_FP32=1), which are not stacked in compiled steps for that reason, and
-    with steps of up to 8 rows on the small-rows kernel over the bf16 weights (as a route timed faster sets it)."""
+    copies at every row count (ROLLOUT_BF16_VIA_FP32=1), which are not stacked in compiled steps for that reason,
+    with steps of up to 8 rows on the small-rows kernel over the bf16 weights (as a route timed faster sets it), and
+    on panels (ROLLOUT_BF16_PANELS=1)."""
+    if via_fp32 in ("kernel", "panels") and load_kernel() is None:
+        pytest.skip("the C kernels do not build here")
     if via_fp32 == "kernel":
-        if load_kernel() is None:
-            pytest.skip("the C kernels do not build here")
         monkeypatch.setattr(features, "_bf16_route",
-                            lambda packed, setting: Bf16Route(torch.float32 in packed, kernel_max_rows=8))
+                            lambda packed, *settings: Bf16Route(torch.float32 in packed, kernel_max_rows=8))
+    elif via_fp32 == "panels":  # stacked in compiled steps: their rows' bits do not depend on the stack
+        monkeypatch.setenv(ENV_BF16_PANELS, "1")
     else:
         monkeypatch.setenv(ENV_BF16_VIA_FP32, via_fp32)
     model = tiny_model("qwen3").to(torch.bfloat16)

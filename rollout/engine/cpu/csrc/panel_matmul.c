@@ -1,0 +1,224 @@
+/* Linear layers over weights packed in panels of 32 output columns: out[m, n] = x[m, :] . w[n, :] + bias[n], summed
+ * in fp32, for any row count. The weights are fp32, or bf16 kept at 2 bytes (a bf16 model on a CPU without bf16 dot
+ * products: no fp32 copy of its weights, and half the bytes to stream).
+ *
+ * Why: the small-rows kernel (small_matmul.c) ends each output in a horizontal sum and reloads its inputs for every
+ * weight pair, so it falls behind packed copies from about 8 rows up. Here a tile of up to ROWS input rows by the 32
+ * columns of a panel keeps its outputs in registers for the whole of K: each step broadcasts one input value per row
+ * and multiplies it into the panel's 32 weights of that k, which it loads (and widens, for bf16) once for all rows.
+ * The weights stream front to back, panel by panel; a thread takes a few panels at a time.
+ *
+ * Layout (rollout_pack_panels writes it): panel p holds the weight rows 32 p .. 32 p + 31 (zeros past N), k-major:
+ * for each k, 32 values. fp32 panels store them in column order. bf16 panels store 16 32-bit words per k, word i
+ * holding column i in its low half and column 16 + i in its high half: a shift and a mask widen them to fp32, no
+ * shuffle. Inputs: x [M, K] with row stride ldx; out [M, N] with row stride ldo; bias [N] or NULL; all in the weights'
+ * dtype (bf16 as uint16_t bits).
+ *
+ * Same bits on every target, by construction: each output is the fused multiply-add chain over k = 0, 1, ..., K - 1
+ * in order, starting at 0, then plus the bias, then (bf16) rounded to nearest even. The order is fixed by the source,
+ * not the tiling, the vector width or the thread count, and the file is compiled without -ffast-math and with
+ * -ffp-contract=off (kernel.SOURCE_FLAGS). So a row's outputs do not depend on the other rows of the call or on
+ * which weights were stacked into the same panels, and every ISA gives the same bits.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 32 /* output columns per panel */
+#define HALF 16  /* bf16 panels: words per k, each two columns */
+#ifdef __AVX512F__
+#define WIDTH 16
+#define ROWS 12 /* 12 rows x 2 accumulators: 24 of the 32 vector registers */
+#elif defined(__AVX__)
+#define WIDTH 8
+#define ROWS 3 /* 3 rows x 4 accumulators: 12 of the 16 */
+#else
+#define WIDTH 4
+#define ROWS 1
+#endif
+#define VECS (PANEL / WIDTH) /* accumulators per row */
+#define PANELS_PER_GRAB 2   /* panels a thread takes at a time (dynamic: a preempted thread's share moves) */
+#define PREFETCH_BYTES 1024 /* ahead of the panel rows being read: memory latency hidden */
+
+typedef float vec_t __attribute__((vector_size(WIDTH * sizeof(float))));
+typedef uint32_t words_t __attribute__((vector_size(WIDTH * sizeof(uint32_t))));
+
+/* acc + a * b lane by lane, rounded once (the instruction where the target has it, fmaf lane by lane where not). */
+static inline vec_t fma_lanes(vec_t a, vec_t b, vec_t acc) {
+#if WIDTH == 16 && defined(__AVX512F__)
+    return (vec_t)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif WIDTH == 8 && defined(__FMA__)
+    return (vec_t)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    vec_t r;
+    for (int i = 0; i < WIDTH; i++) r[i] = __builtin_fmaf(a[i], b[i], acc[i]);
+    return r;
+#endif
+}
+
+static inline vec_t splat(float v) {
+#if WIDTH == 16
+    return (vec_t)_mm512_set1_ps(v);
+#elif WIDTH == 8
+    return (vec_t)_mm256_set1_ps(v);
+#else
+    return (vec_t){v, v, v, v};
+#endif
+}
+
+/* The panel's 32 weights at one k as VECS vectors in column order: loaded as they are (fp32) or widened (bf16). */
+static inline void panel_weights(const void *panel, int64_t k, const int bf16, vec_t *w) {
+    if (!bf16) {
+#pragma GCC unroll 16
+        for (int j = 0; j < VECS; j++) memcpy(&w[j], (const float *)panel + k * PANEL + j * WIDTH, sizeof(vec_t));
+        return;
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < VECS / 2; h++) {
+        words_t words, low, high;
+        memcpy(&words, (const uint32_t *)panel + k * HALF + h * WIDTH, sizeof words);
+        low = words << 16;
+        high = words & 0xFFFF0000u;
+        memcpy(&w[h], &low, sizeof low);
+        memcpy(&w[VECS / 2 + h], &high, sizeof high);
+    }
+}
+
+/* Outputs (m, n0 .. n0 + cols - 1) for m < rows: `rows` and `bf16` are compile-time constants at every call site, so
+ * the accumulators live in registers. x is fp32 here (bf16 inputs were widened once into scratch). */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const void *panel,
+                                                       const void *bias, void *out, int64_t ldo, int64_t n0,
+                                                       int cols, int64_t k_len, const int rows, const int bf16) {
+    vec_t acc[ROWS][VECS];
+#pragma GCC unroll 16
+    for (int m = 0; m < rows; m++)
+#pragma GCC unroll 16
+        for (int j = 0; j < VECS; j++) acc[m][j] = (vec_t){0};
+    for (int64_t k = 0; k < k_len; k++) {
+        /* a hint, never a fault: past the last panel's end it reads nothing */
+        __builtin_prefetch((const char *)panel + k * PANEL * (bf16 ? 2 : 4) + PREFETCH_BYTES);
+        vec_t w[VECS];
+        panel_weights(panel, k, bf16, w);
+#pragma GCC unroll 16
+        for (int m = 0; m < rows; m++) {
+            const vec_t xv = splat(x[m * ldx + k]);
+#pragma GCC unroll 16
+            for (int j = 0; j < VECS; j++) acc[m][j] = fma_lanes(xv, w[j], acc[m][j]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float sums[PANEL];
+        memcpy(sums, acc[m], sizeof sums);
+        for (int c = 0; c < cols; c++) {
+            const int64_t n = n0 + c;
+            float s = sums[c];
+            if (bias) s += bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+            if (bf16)
+                ((uint16_t *)out)[m * ldo + n] = f32_to_bf16(s);
+            else
+                ((float *)out)[m * ldo + n] = s;
+        }
+    }
+}
+
+/* One panel for all `m_len` rows, in tiles of at most ROWS rows of near-equal sizes (64 rows on AVX-512: 6 tiles of
+ * 10-11, not 5 of 12 and one of 4, whose broadcasts would not cover the panel's loads). */
+static inline __attribute__((always_inline)) void panel_all_rows(const float *x, int64_t ldx, const void *panel,
+                                                                 const void *bias, void *out, int64_t ldo,
+                                                                 int64_t n0, int cols, int64_t m_len, int64_t k_len,
+                                                                 const int bf16) {
+    const int64_t tiles = (m_len + ROWS - 1) / ROWS;
+    const int64_t out_bytes = bf16 ? 2 : 4;
+    int64_t m = 0;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int rows = (int)((m_len - m) / (tiles - t)); /* the rest shared evenly by the tiles left */
+#define TILE(r) \
+    case r: \
+        tile(x + m * ldx, ldx, panel, bias, (char *)out + m * ldo * out_bytes, ldo, n0, cols, k_len, r, bf16); \
+        break;
+        switch (rows) {
+            TILE(1)
+#if ROWS > 1
+            TILE(2) TILE(3)
+#endif
+#if ROWS > 3
+            TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+#endif
+            default: break;
+        }
+#undef TILE
+        m += rows;
+    }
+}
+
+static void run_panels(const float *x, int64_t ldx, const void *panels, const void *bias, void *out, int64_t ldo,
+                       int64_t m_len, int64_t n_len, int64_t k_len, const int bf16, int num_threads) {
+    const int64_t count = (n_len + PANEL - 1) / PANEL;
+    const int64_t panel_elems = k_len * PANEL;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, PANELS_PER_GRAB)
+    for (int64_t p = 0; p < count; p++) {
+        const int cols = (int)(n_len - p * PANEL < PANEL ? n_len - p * PANEL : PANEL);
+        if (bf16)
+            panel_all_rows(x, ldx, (const uint16_t *)panels + p * panel_elems, bias, out, ldo, p * PANEL, cols, m_len,
+                           k_len, 1);
+        else
+            panel_all_rows(x, ldx, (const float *)panels + p * panel_elems, bias, out, ldo, p * PANEL, cols, m_len,
+                           k_len, 0);
+    }
+}
+
+void rollout_panel_matmul(const float *x, int64_t ldx, const float *panels, const float *bias, float *out,
+                          int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int num_threads) {
+    run_panels(x, ldx, panels, bias, out, ldo, m_len, n_len, k_len, 0, num_threads);
+}
+
+/* bf16 (uint16_t bits): the input rows widened once into fp32 scratch. Returns 0, or 1 where the scratch could not
+ * be allocated. */
+int rollout_panel_matmul_bf16(const uint16_t *x, int64_t ldx, const uint16_t *panels, const uint16_t *bias,
+                              uint16_t *out, int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len,
+                              int num_threads) {
+    float *wide = malloc((size_t)(m_len * k_len > 0 ? m_len * k_len : 1) * sizeof(float));
+    if (!wide) return 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t m = 0; m < m_len; m++)
+        for (int64_t k = 0; k < k_len; k++) wide[m * k_len + k] = bf16_to_f32(x[m * ldx + k]);
+    run_panels(wide, k_len, panels, bias, out, ldo, m_len, n_len, k_len, 1, num_threads);
+    free(wide);
+    return 0;
+}
+
+/* Pack w, rows row0 .. row0 + n_rows - 1 of a weight of n_total rows and k_len columns (contiguous, fp32 or bf16 bits
+ * per `bf16`), into its panels (the layout above), in parallel over panels: a weight update repacks at memory speed,
+ * and a member of weights stacked into one copy repacks its own rows only. The rows past n_total are written as zeros
+ * when the range ends there. `panels` holds ceil(n_total / 32) * k_len * 32 elements. */
+void rollout_pack_panels(const void *w, void *panels, int64_t row0, int64_t n_rows, int64_t n_total, int64_t k_len,
+                         int bf16, int num_threads) {
+    const int64_t first = row0 / PANEL, end = (row0 + n_rows + PANEL - 1) / PANEL;
+    const int pad = row0 + n_rows == n_total;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = first; p < end; p++) {
+        const int64_t lo = row0 > p * PANEL ? row0 : p * PANEL;
+        const int64_t hi = row0 + n_rows < p * PANEL + PANEL ? row0 + n_rows : p * PANEL + PANEL;
+        const int64_t last = pad ? p * PANEL + PANEL : hi; /* rows written: lo .. last - 1, zeros from hi */
+        for (int64_t k0 = 0; k0 < k_len; k0 += 64) { /* 64 k at a time: the source rows' lines stay in L1 */
+            const int64_t k1 = k0 + 64 < k_len ? k0 + 64 : k_len;
+            for (int64_t n = lo; n < last; n++) {
+                const int64_t c = n - p * PANEL, src = (n - row0) * k_len;
+                for (int64_t k = k0; k < k1; k++) {
+                    if (bf16) {
+                        const uint16_t v = n < hi ? ((const uint16_t *)w)[src + k] : 0;
+                        uint16_t *word = (uint16_t *)panels + (p * k_len + k) * PANEL + 2 * (c % HALF);
+                        word[c / HALF] = v; /* low half: columns 0-15, high half: 16-31 (little-endian words) */
+                    } else {
+                        ((float *)panels)[(p * k_len + k) * PANEL + c] = n < hi ? ((const float *)w)[src + k] : 0.0f;
+                    }
+                }
+            }
+        }
+    }
+}
