@@ -49,15 +49,16 @@ def _passes(layers: list[dict], head: torch.Tensor) -> tuple[dict[str, object], 
     from rollout.engine.cpu.panel_packed import PanelWeight
 
     pointwise = torch.ops.mkldnn._linear_pointwise.default
+    o_width = layers[0]["o"].shape[1]
 
     def run(x, linear, per_layer, lm_head):
         for layer in per_layer:
-            linear(x, layer["qkv"]) if "qkv" in layer else [linear(x, layer[n]) for n in "qkv"]
+            qkv = linear(x, layer["qkv"]) if "qkv" in layer else torch.cat([linear(x, layer[n]) for n in "qkv"], -1)
             if "gate_up" in layer:
                 gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
             else:
                 gate, up = linear(x, layer["gate"]), linear(x, layer["up"])
-            linear(x, layer["o"])
+            linear(qkv[:, :o_width].contiguous(), layer["o"])  # as wide as the attention's output
             linear(F.silu(gate) * up, layer["down"])
         return linear(x, lm_head)
 

@@ -184,9 +184,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = restype
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
                        + [ctypes.c_int])
-    fn = lib.rollout_pack_panels
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     fn = lib.rollout_any_nonfinite
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]

@@ -18,10 +18,11 @@ batch's, and the clocks choose:
 
 bf16 weights are timed the same way (`time_bf16`): oneDNN's bf16 copies where it packs bf16, F.linear on the weights as
 stored, fp32 copies of the bf16 weights (the input widened to fp32, the output rounded back to bf16) and, where the C
-library is built, the small-rows kernel on the bf16 weights as stored (widened in registers). On a CPU without bf16 dot
-products (AVX512_BF16, AMX) oneDNN emulates bf16 arithmetic and the fp32 copies win from a few rows up; at a few rows
-the bf16 weights, half the bytes to stream, are faster through the kernel (benchmarks/RESULTS.md, "bf16 on fp32
-copies"), which then takes the rows from 1 up where its summed times win, as an AVX2 build's fp32 kernel does.
+library is built, panels of the bf16 weights (panel_packed.py) and the small-rows kernel on the bf16 weights as stored
+(widened in registers). On a CPU without bf16 dot products (AVX512_BF16, AMX) oneDNN emulates bf16 arithmetic; the
+panels, timed also at a prefill chunk's rows, beat the fp32 copies at every row count on an Ice Lake Xeon
+(benchmarks/RESULTS.md, "bf16 panels"). The small-rows kernel then takes the rows from 1 up where its summed times win
+over what serves them otherwise, as an AVX2 build's fp32 kernel does.
 
 ROLLOUT_LINEAR_PROBE_SHAPE=OUTxIN times smaller weights: for an emulated CPU (benchmarks/emulated_cpu_check.sh), where
 the clocks mean nothing and the full-size probe took minutes, but the choices they feed must still run.

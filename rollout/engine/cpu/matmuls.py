@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine.cpu.kernel import load_kernel
+from rollout.engine.cpu.kernel import load_kernel, transpose_blocks
 
 PANEL = 32  # output columns per panel (csrc/panel_matmul.c)
 
@@ -42,11 +42,13 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None, row0: int = 0,
-                total_rows: int | None = None) -> torch.Tensor:
-    """`weight` [N, K] (fp32 or bf16, CPU) in panel_matmul's layout, `[ceil(N / 32), K, 32]` of its dtype. Into `out`
+def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None, row0: int = 0, total_rows: int | None = None,
+                plain: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` [N, K] (fp32 or bf16, CPU) in panel_matmul's layout, `[ceil(N / 32), K, 32]` of its dtype: each panel
+    the transpose of 32 rows (zeros past N), written by the weight-sync transpose (kernel.transpose_blocks). Into `out`
     where given (a repack in place: compiled graphs and callers keep the buffer), and there as rows `row0` onwards of
-    a weight of `total_rows` rows (default: up to its end): a member of weights stacked into one copy."""
+    a weight of `total_rows` rows (default: up to its end): a member of weights stacked into one copy. `plain` (the
+    live weight, `weight`'s shape): also copy `weight` there in the same pass."""
     if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
         raise ValueError(f"pack_panels takes a 2-D fp32 or bf16 CPU weight, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
@@ -55,14 +57,24 @@ def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None, row0: int
     shape = (-(-total // PANEL), k, PANEL)
     if out is None:
         out = torch.empty(shape, dtype=weight.dtype)
+        out[-1, :, total - (shape[0] - 1) * PANEL:] = 0  # the last panel's rows past N (if any): never written again
     if tuple(out.shape) != shape or out.dtype != weight.dtype or not out.is_contiguous() or not (
             row0 >= 0 and row0 + rows <= total):
         raise ValueError(f"pack_panels of a {weight.dtype} {tuple(weight.shape)} weight as rows {row0} onwards of "
                          f"{total} into {out.dtype} panels {tuple(out.shape)}: they must be contiguous {shape} of its "
                          "dtype, and the rows within the total")
-    weight = weight.detach().contiguous()
-    load_kernel().rollout_pack_panels(weight.data_ptr(), out.data_ptr(), row0, rows, total, k,
-                                      int(weight.dtype == torch.bfloat16), torch.get_num_threads())
+    if plain is not None and (plain.shape != weight.shape or plain.dtype != weight.dtype or not plain.is_contiguous()):
+        raise ValueError(f"pack_panels copies the weight into a contiguous {weight.dtype} {tuple(weight.shape)} "
+                         f"tensor, got a {plain.dtype} {tuple(plain.shape)} one")
+    weight, flat, panel_size = weight.detach().contiguous(), out.view(-1), k * PANEL
+    done = 0
+    while done < rows:  # a partial first panel, the full panels, a partial last one
+        first, in_panel = divmod(row0 + done, PANEL)
+        group = min(PANEL - in_panel, rows - done)
+        blocks = (rows - done) // PANEL if in_panel == 0 and group == PANEL else 1
+        transpose_blocks(weight[done:], flat, first * panel_size + in_panel, blocks, group, panel_size, PANEL,
+                         None if plain is None else plain[done:])
+        done += blocks * group
     return out
 
 

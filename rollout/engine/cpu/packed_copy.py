@@ -72,7 +72,7 @@ class PackedCopy:
         weight is widened in that pass); False, with nothing written, where it cannot: `weight` is not one of those
         packed, MKL's copy, oneDNN's copy of a stack or with no verified layout, or a `value` or weight that is not
         contiguous of the weight's shape and dtype (the caller then copies, and the next forward refreshes). Panels:
-        the weight copied, then its rows repacked from `value` (a stack's other members untouched). Written through
+        the weight and its rows of the panels written in one pass (a stack's other members untouched). Written through
         `.data`: the weight's version counter stays where it was."""
         member = self._member(weight)
         if member is None or isinstance(self.packed, MklPackedWeight) or value.dtype != self.dtype \
@@ -80,8 +80,7 @@ class PackedCopy:
             return False
         if isinstance(self.packed, PanelWeight):
             with torch.no_grad():
-                weight.data.copy_(value)
-                self.packed.repack(value.detach(), sum(shape[0] for shape in self.shapes[:member]))
+                self.packed.repack(value.detach(), sum(shape[0] for shape in self.shapes[:member]), plain=weight.data)
         elif len(self.refs) > 1 or not self._has_layout():
             return False
         else:

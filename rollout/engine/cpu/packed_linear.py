@@ -108,8 +108,8 @@ class PackedLinears:
         self._active = threading.local()
         self._pads = PaddedRows()  # oneDNN's inputs padded to their row bucket
         self._widened = False  # fp32 copies were packed from widened temporaries since the last release
-        self._table: dict[int, Packed] = {}  # per forward: id(weight) -> packed copy; what it was built from:
-        self._checked: tuple[int, list] | None = None  # (epoch; module, weight, version each)
+        self._table: dict[int, Packed] = {}  # per forward: id(weight) -> packed copy
+        self._checked: tuple[int, list] | None = None  # what the table was built from: epoch, (module, weight, version)
         # Set by use_mkl: `mkl` (fp32 packed by MKL: mkl_packed.py), `gate_dtypes` (gated MLPs whose gate and up run as
         # one op), `unpacked_max_rows` (fp32 inputs of at most this many rows on F.linear), `small_matmul` and
         # `small_rows` (fp32 inputs of those rows on the small-rows kernel; not with MKL's copies, faster there).

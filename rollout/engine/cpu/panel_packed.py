@@ -38,15 +38,16 @@ class PanelWeight:
     def dtype(self) -> torch.dtype:
         return self.panels.dtype
 
-    def repack(self, weight: torch.Tensor, row0: int = 0) -> None:
+    def repack(self, weight: torch.Tensor, row0: int = 0, plain: torch.Tensor | None = None) -> None:
         """Pack the current values of `weight` into these panels in place: all of it (same shape and dtype), or as
-        its rows `row0` onwards (a member of the weights stacked here: same width and dtype)."""
+        its rows `row0` onwards (a member of the weights stacked here: same width and dtype). `plain` (a weight
+        update's live weight): also copy `weight` there, in the same pass."""
         rows_fit = weight.dim() == 2 and row0 >= 0 and row0 + weight.shape[0] <= self.out_features
         if weight.dtype != self.dtype or weight.shape[-1] != self.in_features or not rows_fit:
             raise ValueError(f"repack of {self.dtype} panels of {self.shape} with a {weight.dtype} weight of shape "
                              f"{tuple(weight.shape)} as rows {row0} onwards: the whole weight, or rows within it, "
                              "of its width and dtype")
-        pack_panels(weight, out=self.panels, row0=row0, total_rows=self.out_features)
+        pack_panels(weight, out=self.panels, row0=row0, total_rows=self.out_features, plain=plain)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W.T + bias` for bf16 `x` of shape `[..., in_features]`, any number of rows."""

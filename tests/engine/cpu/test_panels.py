@@ -27,16 +27,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _reference_layout(weight: torch.Tensor) -> torch.Tensor:
-    """The documented layout, element by element: panel p, k, then 32 columns (bf16: 16 words, word i holding
-    column i in its low half and column 16 + i in its high half)."""
+    """The documented layout: panel p, then k, then the 32 columns in order (each panel the transpose of 32 rows)."""
     n, k = weight.shape
     count = -(-n // PANEL)
     padded = torch.zeros(count * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
-    panels = padded.view(count, PANEL, k).transpose(1, 2)  # [count, k, 32] in column order
-    if weight.dtype == torch.bfloat16:
-        panels = torch.stack([panels[..., :16], panels[..., 16:]], dim=-1).reshape(count, k, PANEL)
-    return panels.contiguous()
+    return padded.view(count, PANEL, k).transpose(1, 2).contiguous()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -151,20 +147,27 @@ def test_bad_inputs_are_clear_errors():
         PanelWeight(weight).repack(weight[:, :8])
 
 
-def test_a_stack_member_repacks_its_own_rows_in_place():
-    """`repack(member, row0)` writes that member's rows of a stacked copy (the others untouched), in the same buffer;
-    with every member written the panels equal a fresh pack of the stack."""
+@pytest.mark.parametrize("sizes", [(40, 33), (32, 64), (7, 9, 70)], ids=lambda s: "+".join(map(str, s)))
+def test_a_stack_member_repacks_its_own_rows_in_place(sizes):
+    """`repack(member, row0)` writes that member's rows of a stacked copy (the others untouched), in the same buffer,
+    and with `plain` the live weight in the same pass; with every member written the panels equal a fresh pack of the
+    stack. Members start mid-panel, on a panel, and span several."""
     torch.manual_seed(4)
-    gate, up = torch.randn(40, 24).bfloat16(), torch.randn(33, 24).bfloat16()
-    stack = PanelWeight(torch.cat([gate, up]))
+    old = [torch.randn(n, 24).bfloat16() for n in sizes]
+    stack = PanelWeight(torch.cat(old))
     address = stack.panels.data_ptr()
-    new_gate, new_up = torch.randn(40, 24).bfloat16(), torch.randn(33, 24).bfloat16()
-    stack.repack(new_up, row0=40)
+    new = [torch.randn(n, 24).bfloat16() for n in sizes]
+    live = [w.clone() for w in old]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    stack.repack(new[-1], row0=starts[-1], plain=live[-1])
+    assert torch.equal(live[-1], new[-1])
     x = torch.randn(3, 24).bfloat16()
-    assert torch.equal(stack.linear(x)[:, :40], PanelWeight(gate).linear(x))  # the gate's rows kept
-    stack.repack(new_gate)
+    assert torch.equal(stack.linear(x)[:, :starts[-1]], PanelWeight(torch.cat(old[:-1])).linear(x))  # others kept
+    for member, start in list(zip(new, starts))[:-1]:
+        stack.repack(member, row0=start)
     assert stack.panels.data_ptr() == address
-    assert torch.equal(_bits(stack.panels), _bits(pack_panels(torch.cat([new_gate, new_up]))))
+    assert torch.equal(_bits(stack.panels), _bits(pack_panels(torch.cat(new))))
+    assert torch.equal(_bits(stack.panels), _bits(_reference_layout(torch.cat(new))))
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@
  * and multiplies it into the panel's 32 weights of that k, which it loads (and widens, for bf16) once for all rows.
  * The weights stream front to back, panel by panel; a thread takes a few panels at a time.
  *
- * Layout (rollout_pack_panels writes it): panel p holds the weight rows 32 p .. 32 p + 31 (zeros past N), k-major:
- * for each k, 32 values. fp32 panels store them in column order. bf16 panels store 16 32-bit words per k, word i
- * holding column i in its low half and column 16 + i in its high half: a shift and a mask widen them to fp32, no
- * shuffle. Inputs: x [M, K] with row stride ldx; out [M, N] with row stride ldo; bias [N] or NULL; all in the weights'
- * dtype (bf16 as uint16_t bits).
+ * Layout: panel p holds the weight rows 32 p .. 32 p + 31 (zeros past N), k-major: for each k, the 32 values in
+ * column order, so a panel is a plain transpose of its 32 rows (matmuls.pack_panels writes it with the weight-sync
+ * transpose, weight_sync.c). bf16 values are read as 32-bit words of two columns: a shift widens the even columns to
+ * fp32 and a mask the odd ones, no shuffle; their sums are put back in column order once per tile. Inputs: x [M, K]
+ * with row stride ldx; out [M, N] with row stride ldo; bias [N] or NULL; all in the weights' dtype (bf16 as uint16_t
+ * bits).
  *
  * Same bits on every target, by construction: each output is the fused multiply-add chain over k = 0, 1, ..., K - 1
  * in order, starting at 0, then plus the bias, then (bf16) rounded to nearest even. The order is fixed by the source,
@@ -30,7 +31,7 @@
 #endif
 
 #define PANEL 32 /* output columns per panel */
-#define HALF 16  /* bf16 panels: words per k, each two columns */
+#define HALF 16  /* bf16 panels: 32-bit words per k, each two columns */
 #ifdef __AVX512F__
 #define WIDTH 16
 #define ROWS 12 /* 12 rows x 2 accumulators: 24 of the 32 vector registers */
@@ -71,7 +72,8 @@ static inline vec_t splat(float v) {
 #endif
 }
 
-/* The panel's 32 weights at one k as VECS vectors in column order: loaded as they are (fp32) or widened (bf16). */
+/* The panel's 32 weights at one k as VECS vectors: fp32 loaded as they are, in column order; bf16 widened, the even
+ * columns in the first VECS / 2 vectors and the odd ones in the rest (`sum_index` says where each column went). */
 static inline void panel_weights(const void *panel, int64_t k, const int bf16, vec_t *w) {
     if (!bf16) {
 #pragma GCC unroll 16
@@ -88,6 +90,9 @@ static inline void panel_weights(const void *panel, int64_t k, const int bf16, v
         memcpy(&w[VECS / 2 + h], &high, sizeof high);
     }
 }
+
+/* Where column c of a panel sits among a row's VECS accumulators, read as one array of 32 floats. */
+static inline int sum_index(int c, const int bf16) { return bf16 ? (c & 1) * HALF + c / 2 : c; }
 
 /* Outputs (m, n0 .. n0 + cols - 1) for m < rows: `rows` and `bf16` are compile-time constants at every call site, so
  * the accumulators live in registers. x is fp32 here (bf16 inputs were widened once into scratch). */
@@ -116,7 +121,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         memcpy(sums, acc[m], sizeof sums);
         for (int c = 0; c < cols; c++) {
             const int64_t n = n0 + c;
-            float s = sums[c];
+            float s = sums[sum_index(c, bf16)];
             if (bias) s += bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
             if (bf16)
                 ((uint16_t *)out)[m * ldo + n] = f32_to_bf16(s);
@@ -190,35 +195,4 @@ int rollout_panel_matmul_bf16(const uint16_t *x, int64_t ldx, const uint16_t *pa
     run_panels(wide, k_len, panels, bias, out, ldo, m_len, n_len, k_len, 1, num_threads);
     free(wide);
     return 0;
-}
-
-/* Pack w, rows row0 .. row0 + n_rows - 1 of a weight of n_total rows and k_len columns (contiguous, fp32 or bf16 bits
- * per `bf16`), into its panels (the layout above), in parallel over panels: a weight update repacks at memory speed,
- * and a member of weights stacked into one copy repacks its own rows only. The rows past n_total are written as zeros
- * when the range ends there. `panels` holds ceil(n_total / 32) * k_len * 32 elements. */
-void rollout_pack_panels(const void *w, void *panels, int64_t row0, int64_t n_rows, int64_t n_total, int64_t k_len,
-                         int bf16, int num_threads) {
-    const int64_t first = row0 / PANEL, end = (row0 + n_rows + PANEL - 1) / PANEL;
-    const int pad = row0 + n_rows == n_total;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = first; p < end; p++) {
-        const int64_t lo = row0 > p * PANEL ? row0 : p * PANEL;
-        const int64_t hi = row0 + n_rows < p * PANEL + PANEL ? row0 + n_rows : p * PANEL + PANEL;
-        const int64_t last = pad ? p * PANEL + PANEL : hi; /* rows written: lo .. last - 1, zeros from hi */
-        for (int64_t k0 = 0; k0 < k_len; k0 += 64) { /* 64 k at a time: the source rows' lines stay in L1 */
-            const int64_t k1 = k0 + 64 < k_len ? k0 + 64 : k_len;
-            for (int64_t n = lo; n < last; n++) {
-                const int64_t c = n - p * PANEL, src = (n - row0) * k_len;
-                for (int64_t k = k0; k < k1; k++) {
-                    if (bf16) {
-                        const uint16_t v = n < hi ? ((const uint16_t *)w)[src + k] : 0;
-                        uint16_t *word = (uint16_t *)panels + (p * k_len + k) * PANEL + 2 * (c % HALF);
-                        word[c / HALF] = v; /* low half: columns 0-15, high half: 16-31 (little-endian words) */
-                    } else {
-                        ((float *)panels)[(p * k_len + k) * PANEL + c] = n < hi ? ((const float *)w)[src + k] : 0.0f;
-                    }
-                }
-            }
-        }
-    }
 }
