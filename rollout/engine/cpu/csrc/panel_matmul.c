@@ -26,9 +26,6 @@
 #include <string.h>
 
 #include "bf16.h"
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 #define PANEL 32 /* output columns per panel */
 #define HALF 16  /* bf16 panels: 32-bit words per k, each two columns */
@@ -46,21 +43,9 @@
 #define PANELS_PER_GRAB 2   /* panels a thread takes at a time (dynamic: a preempted thread's share moves) */
 #define PREFETCH_BYTES 1024 /* ahead of the panel rows being read: memory latency hidden */
 
-typedef float vec_t __attribute__((vector_size(WIDTH * sizeof(float))));
-typedef uint32_t words_t __attribute__((vector_size(WIDTH * sizeof(uint32_t))));
+#include "fma_lanes.h"
 
-/* acc + a * b lane by lane, rounded once (the instruction where the target has it, fmaf lane by lane where not). */
-static inline vec_t fma_lanes(vec_t a, vec_t b, vec_t acc) {
-#if WIDTH == 16 && defined(__AVX512F__)
-    return (vec_t)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif WIDTH == 8 && defined(__FMA__)
-    return (vec_t)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
-#else
-    vec_t r;
-    for (int i = 0; i < WIDTH; i++) r[i] = __builtin_fmaf(a[i], b[i], acc[i]);
-    return r;
-#endif
-}
+typedef uint32_t words_t __attribute__((vector_size(WIDTH * sizeof(uint32_t))));
 
 static inline vec_t splat(float v) {
 #if WIDTH == 16

@@ -29,9 +29,6 @@
 #include <string.h>
 
 #include "bf16.h"
-#if defined(__AVX512F__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 /* A step over K covers 16 floats, held as SPLIT vectors of WIDTH floats: one register on AVX-512, two on AVX2 (a
  * 16-float vector type there is split by the compiler and spilled to the stack). Lane l of a step always accumulates
@@ -49,22 +46,7 @@
 #define PREFETCH_BYTES 4096 /* ahead of the weight rows being read: memory latency hidden */
 #define PAIRS_PER_GRAB 16 /* weight-row pairs a thread takes at a time (dynamic: a preempted thread's share moves) */
 
-typedef float vec_t __attribute__((vector_size(WIDTH * sizeof(float))));
-
-/* acc + a * b lane by lane, rounded once: an explicit fused multiply-add (the instruction where the target has it, C's
- * fmaf lane by lane where not), never a contraction left to the compiler. IEEE 754 defines fma exactly, so a lane's
- * sum has the same bits on every target. */
-static inline vec_t fma_lanes(vec_t a, vec_t b, vec_t acc) {
-#if WIDTH == 16 && defined(__AVX512F__)
-    return (vec_t)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif WIDTH == 8 && defined(__FMA__)
-    return (vec_t)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
-#else
-    vec_t r;
-    for (int i = 0; i < WIDTH; i++) r[i] = __builtin_fmaf(a[i], b[i], acc[i]);
-    return r;
-#endif
-}
+#include "fma_lanes.h"
 
 static inline vec_t load(const float *p) {
     vec_t v;
