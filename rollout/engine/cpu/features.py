@@ -61,7 +61,8 @@ SMALL_MATMUL_ISAS = ("avx512f",)
 ENV_BF16_VIA_FP32 = "ROLLOUT_BF16_VIA_FP32"
 # Where the C library is built, bf16 linears may instead run on panels of their bf16 weights (panel_packed.py), where
 # those are timed faster than every other path at batch rows and no slower at a prefill chunk's: no second copy of the
-# weights in fp32. 0: never, 1: wherever the library is built (before ROLLOUT_BF16_VIA_FP32).
+# weights in fp32. 0: never, 1: wherever the library is built (before ROLLOUT_BF16_VIA_FP32); unset: timed with the
+# other paths, where ROLLOUT_BF16_VIA_FP32 is unset too and fp32 packs (the probe's copies are oneDNN's).
 ENV_BF16_PANELS = "ROLLOUT_BF16_PANELS"
 
 
@@ -387,8 +388,9 @@ def require_packing(model: torch.nn.Module) -> None:
                       if d not in features.packed_dtypes and d not in features.served_dtypes), key=str)
     if missing:
         dtype = missing[0]
-        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; ROLLOUT_BF16_VIA_FP32=1 " \
-            "runs bf16 linears on fp32 copies instead)" if dtype == torch.bfloat16 else ""
+        need = " (oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; ROLLOUT_BF16_PANELS=1 " \
+            "runs bf16 linears on panels of their weights instead where the C library builds, " \
+            "ROLLOUT_BF16_VIA_FP32=1 on fp32 copies)" if dtype == torch.bfloat16 else ""
         raise ValueError(f"prepack_weights=True, but oneDNN cannot pack {dtype} linear weights on this CPU{need}: "
                          f"{features.packing_error(dtype)}. Leave prepack_weights None to pack only the dtypes this "
                          f"CPU supports ({dtype} linears then run on F.linear), or set it to False")

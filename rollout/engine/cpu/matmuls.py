@@ -53,6 +53,9 @@ def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None, row0: int
         raise ValueError(f"pack_panels takes a 2-D fp32 or bf16 CPU weight, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     rows, k = weight.shape
+    if rows == 0 or k == 0 or (out is None and (row0 or total_rows is not None)):
+        raise ValueError(f"pack_panels takes a weight of at least one row and column ({tuple(weight.shape)} given), "
+                         "and packs rows from `row0` or up to `total_rows` only into panels of its own (`out`)")
     total = row0 + rows if total_rows is None else total_rows
     shape = (-(-total // PANEL), k, PANEL)
     if out is None:
@@ -83,6 +86,11 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     or all bf16 (summed in fp32 in k order, each output rounded to bf16); no autograd. A row's outputs do not depend
     on the call's other rows."""
     _check_matmul_dtypes("panel_matmul", x, panels.dtype, bias)
+    if bias is not None and (bias.dim() != 1 or bias.numel() != out_features or bias.device.type != "cpu"):
+        raise ValueError(f"panel_matmul's bias must be a 1-D CPU tensor of its {out_features} outputs, got "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    if x.device.type != "cpu" or panels.device.type != "cpu":
+        raise ValueError(f"panel_matmul runs on CPU tensors, got x on {x.device} and panels on {panels.device}")
     if panels.dim() != 3 or panels.shape[2] != PANEL or x.shape[-1] != panels.shape[1] or not (
             0 < out_features <= panels.shape[0] * PANEL) or not panels.is_contiguous():
         raise ValueError(f"panel_matmul of x {tuple(x.shape)} over panels {tuple(panels.shape)} for {out_features} "

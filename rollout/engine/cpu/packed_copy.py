@@ -57,7 +57,7 @@ class PackedCopy:
         full)."""
         if isinstance(self.packed, OWN_LAYOUTS):
             with torch.no_grad():
-                self.packed.repack(stacked_values(weights))
+                self.packed.repack(stacked_values(weights).to(self.packed.dtype))  # MKL's fp32 copy of bf16: widened
         elif self._has_layout():
             with torch.no_grad():
                 self.layout.write_flat(self.buffer, stacked_values(weights))

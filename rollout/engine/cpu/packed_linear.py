@@ -173,13 +173,14 @@ class PackedLinears:
         return torch.ops.mkldnn._reorder_linear_weight(values, PACK_BATCH_HINT)
 
     def load(self, weight: torch.Tensor, value: torch.Tensor) -> bool:
-        """A weight update's copy of `value` into `weight`, writing the weight's packed copy (its own, or a stack's
-        with it) from `value` in the same pass where it can (PackedCopy.load_in_place); False, with nothing written,
-        otherwise. Pass the ids of the weights it loaded to the `clear` that follows, which keeps their copies (a
+        """A weight update's copy of `value` into `weight`, writing every packed copy that holds the weight (its own,
+        and each stack with it) from `value` in the same pass where it can (PackedCopy.load_in_place); False where it
+        has none or one of them declined (the caller then copies; the next forward refreshes the copies it did not
+        write). Pass the ids of the weights it loaded to the `clear` that follows, which keeps their copies (a
         stack's once all its members are among them)."""
-        entry = self._packs.get(id(weight)) or next(
-            (stack for key, stack in self._stacks.items() if id(weight) in key), None)
-        return entry is not None and entry.load_in_place(weight, value)
+        entries = [entry for key, entry in self._stacks.items() if id(weight) in key]
+        entries += [self._packs[id(weight)]] if id(weight) in self._packs else []
+        return bool(entries) and all([entry.load_in_place(weight, value) for entry in entries])
 
     def clear(self, fresh: Collection[int] = ()) -> None:
         """New weights are in place (writes through `.data` bump no version counter): mark every packed copy stale

@@ -473,6 +473,31 @@ def test_fp32_copies_of_bf16_weights_round_each_output_and_refresh_in_place(mkl)
 
 
 @needs_fp32_packing
+@needs_fp32_packing
+def test_mkl_copies_of_bf16_weights_refresh_after_an_update():
+    """In a model with fp32 linears too, MKL packs the fp32 copies of bf16 weights: a refresh after an update packs
+    the new values widened, as a fresh engine's copies hold them."""
+    if not mkl_packed.available():
+        pytest.skip(f"MKL's packed sgemm is unavailable here: {mkl_packed.unavailable_reason()}")
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Linear(48, 80).to(torch.bfloat16))
+    bf16 = model[1]
+    linears = PackedLinears(model, mkl=True, bf16_via_fp32=True)
+    assert linears.mkl and torch.bfloat16 in linears.via_fp32
+    x = torch.randn(3, 48).to(torch.bfloat16)
+    with torch.inference_mode(), linears:
+        bf16(x)
+    assert isinstance(linears._packs[id(bf16.weight)].packed, mkl_packed.MklPackedWeight)
+    with torch.no_grad():
+        bf16.weight.data.copy_(torch.randn(80, 48).to(torch.bfloat16))
+    linears.clear()
+    with torch.inference_mode(), linears:
+        out = bf16(x)
+    fresh = PackedLinears(model, mkl=True, bf16_via_fp32=True)
+    with torch.inference_mode(), fresh:
+        assert torch.equal(out, bf16(x))
+
+
 def test_load_declines_what_it_cannot_write_in_one_pass():
     """Nothing written where the value is not a contiguous tensor of the weight's shape and dtype, or the weight has no
     packed copy: the caller copies and the next forward refreshes."""

@@ -141,6 +141,12 @@ def test_bad_inputs_are_clear_errors():
         pack_panels(weight.half())
     with pytest.raises(ValueError, match=r"into torch.bfloat16 panels \(2, 16, 32\): they must be contiguous"):
         pack_panels(weight[:8], out=panels, row0=36, total_rows=40)  # rows past the total
+    with pytest.raises(ValueError, match=r"panel_matmul's bias must be a 1-D CPU tensor of its 40 outputs"):
+        panel_matmul(torch.randn(2, 16).bfloat16(), panels, 40, torch.randn(3).bfloat16())  # would read past it
+    with pytest.raises(ValueError, match="pack_panels takes a weight of at least one row and column"):
+        pack_panels(weight[:0])
+    with pytest.raises(ValueError, match="only into panels of its own"):
+        pack_panels(weight, row0=8)  # the rows before it would be left unwritten
     with pytest.raises(ValueError, match="panels hold 2-D bf16 CPU weights"):
         PanelWeight(weight.float())
     with pytest.raises(ValueError, match=r"repack of torch\.bfloat16 panels of"):
@@ -176,6 +182,28 @@ def panels_route(fresh_detection, monkeypatch):
     route = cpu_features().bf16_route
     assert route.panels and not route.via_fp32 and "on bf16 panels" in route.describe()
     return route
+
+
+def test_a_weight_update_writes_every_stack_that_holds_the_weight(panels_route):
+    """A weight in two stacked copies (as a gated MLP's gate and up stacked for the eager forward and again, in
+    another order, for a compiled one): `load` writes both, so neither is left with the old values by `clear`."""
+    torch.manual_seed(6)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(24, 40, bias=False), "b": torch.nn.Linear(24, 33, bias=False)})
+    model = model.to(torch.bfloat16)
+    a, b = model["a"].weight, model["b"].weight
+    linears = PackedLinears(model)
+    x = torch.randn(3, 24).bfloat16()
+    with torch.inference_mode(), linears:
+        linears.stacked_for(x, (a, b)), linears.stacked_for(x, (b, a))
+    assert len(linears._stacks) == 2
+    new_a, new_b = torch.randn(40, 24).bfloat16(), torch.randn(33, 24).bfloat16()
+    assert linears.load(a, new_a) and linears.load(b, new_b)
+    linears.clear({id(a), id(b)})
+    with torch.inference_mode(), linears:
+        ab, ba = linears.stacked_for(x, (a, b)), linears.stacked_for(x, (b, a))
+    expected = torch.cat([PanelWeight(new_a).linear(x), PanelWeight(new_b).linear(x)], -1)
+    assert torch.equal(ab.linear(x), expected)
+    assert torch.equal(ba.linear(x), torch.cat([expected[:, 40:], expected[:, :40]], -1))
 
 
 def test_the_panels_switch(fresh_detection, monkeypatch):
