@@ -105,9 +105,19 @@ def test_a_sync_writes_the_packed_copies_with_the_weights_and_generates_as_a_fre
     model, new_model = tiny_model("qwen3").to(dtype), perturbed(tiny_model("qwen3"), seed=9).to(dtype)
     prompts = random_prompts([17, 40], seed=6)
     params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3, ignore_eos=True)
+
+    def onednn_copies(gen: RolloutGenerator) -> None:
+        """fp32 on oneDNN's copies even where the probe timed MKL's faster: an update cannot write MKL's in its pass
+        (they are repacked by the next forward), and both engines must sum alike."""
+        linears = gen.manager.engine.runner.linears
+        if isinstance(linears, PackedLinears) and linears.mkl:
+            linears.use_mkl(False)
+
     with RolloutGenerator(new_model, continuous_batching_config=CB) as fresh:
+        onednn_copies(fresh)
         expected = fresh.generate(prompts, n=2, sampling_params=params)
     with RolloutGenerator(model, continuous_batching_config=CB) as gen:
+        onednn_copies(gen)
         gen.generate(prompts, n=2, sampling_params=params)  # the packed copies exist
         linears = gen.manager.engine.runner.linears
         assert isinstance(linears, PackedLinears)
