@@ -60,9 +60,10 @@ SMALL_MATMUL_ISAS = ("avx512f",)
 # fp32 weights can be packed.
 ENV_BF16_VIA_FP32 = "ROLLOUT_BF16_VIA_FP32"
 # Where the C library is built, bf16 linears may instead run on panels of their bf16 weights (panel_packed.py), where
-# those are timed faster than every other path at batch rows and no slower at a prefill chunk's: no second copy of the
-# weights in fp32. 0: never, 1: wherever the library is built (before ROLLOUT_BF16_VIA_FP32); unset: timed with the
-# other paths, where ROLLOUT_BF16_VIA_FP32 is unset too and fp32 packs (the probe's copies are oneDNN's).
+# those are timed faster than every other path at batch rows and not much slower at a prefill chunk's
+# (linear_timing.PREFILL_SLACK): no second copy of the weights in fp32. 0: never, 1: wherever the library is built
+# (before ROLLOUT_BF16_VIA_FP32); unset: timed with the other paths, where ROLLOUT_BF16_VIA_FP32 is unset too and fp32
+# packs (the probe's copies are oneDNN's).
 ENV_BF16_PANELS = "ROLLOUT_BF16_PANELS"
 
 

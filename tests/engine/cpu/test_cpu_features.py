@@ -170,8 +170,8 @@ def _with_panels(timings: Bf16Timings, panels, prefill: dict[str, float]) -> Bf1
 
 
 def test_bf16_panels_are_chosen_by_the_clocks():
-    """The panels serve bf16 where they beat every other path by the margin at the batch rows and keep within the
-    margin of the fastest at a prefill chunk's rows (a near-tie there goes to them: no fp32 copy in RAM); the
+    """The panels serve bf16 where they beat every other path by the margin at the batch rows and take at most 1.25x
+    the fastest's time at a prefill chunk's rows (decode carries a rollout's time; no fp32 copy in RAM); the
     small-rows kernel and F.linear then take only the small rows where they beat the panels."""
     small = {"small": dict(zip((1, 2, 4, 8), [1.0, 1.06, 1.25, 1.97]))}
     ice_lake = Bf16Timings({**_bf16_timings(f_linear=[1.24, 1.78, 4.4, 6.9, 20.3], via_fp32=[2.6, 2.4, 2.6, 3.0, 5.5],
@@ -180,8 +180,10 @@ def test_bf16_panels_are_chosen_by_the_clocks():
     assert measured.panels_win() and measured.copies() == "panels"
     # the kernel summed to 2 rows: 2.06 against 0.9 * 2.31; to 4: 3.31 against 0.9 * 3.57
     assert measured.kernel_max_rows("panels") == 2 and measured.unpacked_max_rows("panels") == 0
-    slow_prefill = _with_panels(ice_lake, [1.14, 1.17, 1.26, 1.35, 3.9], {"via_fp32": 25.0, "panels": 28.5})
-    assert not slow_prefill.panels_win() and slow_prefill.copies() == "via_fp32"  # 28.5 > 25 / 0.9
+    noisy_prefill = _with_panels(ice_lake, [1.14, 1.17, 1.26, 1.35, 3.9], {"via_fp32": 25.0, "panels": 28.5})
+    assert noisy_prefill.panels_win()  # 1.14x the copies' time at 256 rows: within the slack
+    slow_prefill = _with_panels(ice_lake, [1.14, 1.17, 1.26, 1.35, 3.9], {"via_fp32": 22.0, "panels": 28.5})
+    assert not slow_prefill.panels_win() and slow_prefill.copies() == "via_fp32"  # 28.5 > 22 / 0.8
     near_tie = _with_panels(ice_lake, [1.14, 1.17, 1.26, 2.8, 5.2], {"via_fp32": 28.5, "panels": 28.5})
     assert not near_tie.panels_win()  # within the margin at 8 and 32 rows: the copies stay
     amx = _with_panels(_bf16_timings(f_linear=[1.0] * 5, via_fp32=[1.2] * 5, onednn=[0.5, 0.5, 0.6, 0.6, 1.0]),
