@@ -179,8 +179,11 @@ class Bf16Timings(_Timings):
     def kernel_max_rows(self, copies: str) -> int:
         """The small-rows kernel's rows, from 1 up as far as its summed times beat what serves those rows without it
         (`_summed_wins_up_to`): `copies` or F.linear, whichever is faster, or for "native" oneDNN's bf16 copies
-        (F.linear where bf16 is not packed); 0 for none."""
-        if "small" not in self.seconds:
+        (F.linear where bf16 is not packed); 0 for none. None beside the panels: streaming a real model's weights
+        they were as fast or faster at every row count, where the probe's weights, cache-resident on a CPU with a
+        large last-level cache, favoured the kernel at a few rows (benchmarks/RESULTS.md, "bf16 panels"); and on
+        the panels alone a sequence's values do not depend on its step's size."""
+        if "small" not in self.seconds or copies == "panels":
             return 0
         if copies != "native":
             return self._summed_wins_up_to((copies, "f_linear"))
