@@ -1,5 +1,6 @@
 /* What the matmul kernels share (small_matmul.c, panel_matmul.c): `vec_t`, a vector of WIDTH floats (WIDTH defined by
- * the includer before this header), and an explicit fused multiply-add over it. kernel.py hashes it with them. */
+ * the includer before this header), an explicit fused multiply-add over it, and the widening of bf16 input rows.
+ * Included after bf16.h, stdint.h and stdlib.h; kernel.py hashes it with them. */
 #ifndef ROLLOUT_FMA_LANES_H
 #define ROLLOUT_FMA_LANES_H
 
@@ -22,6 +23,19 @@ static inline vec_t fma_lanes(vec_t a, vec_t b, vec_t acc) {
     for (int i = 0; i < WIDTH; i++) r[i] = __builtin_fmaf(a[i], b[i], acc[i]);
     return r;
 #endif
+}
+
+/* The bf16 matmul entries' input: `m_len` rows of `k_len` bf16 values, `ldx` apart, widened (exactly) into fresh fp32
+ * scratch of rows `k_len` apart, in parallel over rows where there are many (a prefill chunk); NULL where it cannot
+ * be allocated. The caller frees it. */
+static inline float *widened_rows(const uint16_t *x, int64_t ldx, int64_t m_len, int64_t k_len, int num_threads) {
+    float *wide = malloc((size_t)(m_len * k_len > 0 ? m_len * k_len : 1) * sizeof(float));
+    if (!wide) return NULL;
+    (void)num_threads;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m_len >= 16)
+    for (int64_t m = 0; m < m_len; m++)
+        for (int64_t k = 0; k < k_len; k++) wide[m * k_len + k] = bf16_to_f32(x[m * ldx + k]);
+    return wide;
 }
 
 #endif

@@ -172,11 +172,8 @@ void rollout_panel_matmul(const float *x, int64_t ldx, const float *panels, cons
 int rollout_panel_matmul_bf16(const uint16_t *x, int64_t ldx, const uint16_t *panels, const uint16_t *bias,
                               uint16_t *out, int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len,
                               int num_threads) {
-    float *wide = malloc((size_t)(m_len * k_len > 0 ? m_len * k_len : 1) * sizeof(float));
+    float *wide = widened_rows(x, ldx, m_len, k_len, num_threads);
     if (!wide) return 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t m = 0; m < m_len; m++)
-        for (int64_t k = 0; k < k_len; k++) wide[m * k_len + k] = bf16_to_f32(x[m * ldx + k]);
     run_panels(wide, k_len, panels, bias, out, ldo, m_len, n_len, k_len, 1, num_threads);
     free(wide);
     return 0;

@@ -176,10 +176,8 @@ void rollout_small_matmul(const float *x, int64_t ldx, const float *w, const flo
  * in registers, each output rounded to bf16. Returns 0, or 1 where the scratch could not be allocated. */
 int rollout_small_matmul_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, uint16_t *out,
                               int64_t ldo, int64_t m_len, int64_t n_len, int64_t k_len, int num_threads) {
-    float *wide = malloc((size_t)(m_len * k_len > 0 ? m_len * k_len : 1) * sizeof(float));
+    float *wide = widened_rows(x, ldx, m_len, k_len, num_threads);
     if (!wide) return 1;
-    for (int64_t m = 0; m < m_len; m++)
-        for (int64_t k = 0; k < k_len; k++) wide[m * k_len + k] = bf16_to_f32(x[m * ldx + k]);
     const int64_t pairs = n_len / PAIR;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, PAIRS_PER_GRAB)
     for (int64_t p = 0; p < pairs; p++) pair_all_rows(wide, k_len, w, bias, out, ldo, p * PAIR, m_len, k_len, 1);
