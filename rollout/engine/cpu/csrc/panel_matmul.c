@@ -41,7 +41,11 @@
 #endif
 #define VECS (PANEL / WIDTH) /* accumulators per row */
 #define PANELS_PER_GRAB 2   /* panels a thread takes at a time (dynamic: a preempted thread's share moves) */
-#define PREFETCH_BYTES 1024 /* ahead of the panel rows being read: memory latency hidden */
+/* The panel is fetched into L2 this far ahead of the k being read, every cache line of it (fp32: two per k). Into L2
+ * (prefetcht1), not L1: an L1 prefetch holds one of the core's few line-fill buffers until its line arrives, and at
+ * 4-12 rows, when the arithmetic per line leaves the out-of-order window few loads ahead, that capped the stream well
+ * below what one row reaches (benchmarks/RESULTS.md, "bf16 panels"). */
+#define PREFETCH_BYTES 4096
 
 #include "fma_lanes.h"
 
@@ -90,8 +94,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 #pragma GCC unroll 16
         for (int j = 0; j < VECS; j++) acc[m][j] = (vec_t){0};
     for (int64_t k = 0; k < k_len; k++) {
-        /* a hint, never a fault: past the last panel's end it reads nothing */
-        __builtin_prefetch((const char *)panel + k * PANEL * (bf16 ? 2 : 4) + PREFETCH_BYTES);
+        /* hints, never faults: past the last panel's end they read nothing */
+        const char *ahead = (const char *)panel + k * PANEL * (bf16 ? 2 : 4) + PREFETCH_BYTES;
+        __builtin_prefetch(ahead, 0, 2);
+        if (!bf16) __builtin_prefetch(ahead + 64, 0, 2);
         vec_t w[VECS];
         panel_weights(panel, k, bf16, w);
 #pragma GCC unroll 16
