@@ -508,7 +508,8 @@ def parent_main(args) -> None:
         if not os.path.exists(os.path.join(args.baseline_tree, "benchmarks", "throughput.py")):
             raise SystemExit(f"--baseline-tree {args.baseline_tree!r} has no benchmarks/throughput.py; pass a checkout "
                              "of this repository (e.g. git worktree add /tmp/before <commit>)")
-        systems.append("engine_baseline")
+        if "engine_baseline" not in systems:  # named in --systems too: once, not twice
+            systems.append("engine_baseline")
         if not args.engine_page_size:  # an older checkout may not resolve the page size per device
             from rollout.config import DEFAULT_PAGE_SIZE
 
