@@ -100,6 +100,11 @@ def cases(gen: torch.Generator) -> dict[str, tuple[KernelBatch, int]]:
         "prefill, 4 prompts x 512": prefill(4, 512, gen),
         "decode, GRPO: 4 prompts x 4 forks, prompt 200 (192 shared), own 0-200": forks(4, 4, 200, 200, gen),
         "decode, GRPO: 2 prompts x 8 forks, prompt 200 (192 shared), own 0-200": forks(2, 8, 200, 200, gen),
+        "decode, GRPO: 4 prompts x 6 forks, prompt 200 (192 shared), own 0-200": forks(4, 6, 200, 200, gen),
+        "decode, GRPO: 4 prompts x 7 forks, prompt 200 (192 shared), own 0-200": forks(4, 7, 200, 200, gen),
+        "decode, GRPO tail: 4 prompts x 2 forks, prompt 200 (192 shared), own 0-200": forks(4, 2, 200, 200, gen),
+        "decode, GRPO tail: 4 prompts x 3 forks, prompt 200 (192 shared), own 0-200": forks(4, 3, 200, 200, gen),
+        "decode, GRPO tail: 8 prompts x 2 forks, prompt 70 (64 shared), own 0-200": forks(8, 2, 70, 200, gen),
     }
 
 

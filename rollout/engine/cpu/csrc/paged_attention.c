@@ -424,8 +424,11 @@ static int compare_tokens(const void *a, const void *b) {
 }
 
 /* Tokens in key order (first block, row, position), then cut into groups of tokens that read the same keys. A group
- * whose lanes would be mostly idle is split into single tokens, which attend() serves faster. Depends only on the
- * batch, never on the thread count. Returns the number of groups, or -1 when out of memory. */
+ * that would leave lanes idle is split into single tokens, which attend() serves faster: a group's passes cost the
+ * same per key whatever its lanes hold, and with 8-14 of 16 lanes used (GRPO's groups of 4-7 samples, 2 query heads
+ * per kv head) that cost more than what reading the shared keys once saved (benchmarks/RESULTS.md, "Attention
+ * kernel"). Depends only on the batch, never on the thread count. Returns the number of groups, or -1 when out of
+ * memory. */
 static int64_t make_groups(const int64_t *positions, const int64_t *token_rows, const int64_t *tables,
                            int64_t num_tokens, int64_t max_blocks, int64_t g_heads, int64_t page, int64_t window,
                            int64_t *order, group_t *groups) {
@@ -456,7 +459,7 @@ static int64_t make_groups(const int64_t *positions, const int64_t *token_rows, 
             if (positions[t] + 1 > longest) longest = positions[t] + 1;
         }
         if (one_row) shared = longest;
-        if (n * g_heads >= LANES / 2 && shared > 0) {
+        if (n * g_heads >= LANES && shared > 0) {
             groups[count++] = (group_t){i, n, shared, longest, (int)one_row};
         } else {
             for (int64_t j = 0; j < n; j++)
