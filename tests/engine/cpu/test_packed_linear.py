@@ -473,7 +473,6 @@ def test_fp32_copies_of_bf16_weights_round_each_output_and_refresh_in_place(mkl)
 
 
 @needs_fp32_packing
-@needs_fp32_packing
 def test_mkl_copies_of_bf16_weights_refresh_after_an_update():
     """In a model with fp32 linears too, MKL packs the fp32 copies of bf16 weights: a refresh after an update packs
     the new values widened, as a fresh engine's copies hold them."""
@@ -498,6 +497,7 @@ def test_mkl_copies_of_bf16_weights_refresh_after_an_update():
         assert torch.equal(out, bf16(x))
 
 
+@needs_fp32_packing
 def test_load_declines_what_it_cannot_write_in_one_pass():
     """Nothing written where the value is not a contiguous tensor of the weight's shape and dtype, or the weight has no
     packed copy: the caller copies and the next forward refreshes."""
